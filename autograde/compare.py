@@ -1,0 +1,109 @@
+"""Hold a submission's observations against the reference's and say precisely what differs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autograde.cases import TOLERANCE, Case, Inputs
+from autograde.observe import Failure, OtherValue, TensorValue
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    name: str
+    points: float
+    visible: bool
+    about: str
+    inputs: str
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @property
+    def earned(self) -> float:
+        return self.points if self.passed else 0.0
+
+
+def describe(value) -> str:
+    if isinstance(value, TensorValue):
+        return f"a tensor of shape {value.shape} and dtype {value.dtype}"
+    if isinstance(value, OtherValue):
+        return f"a {value.type_name}"
+    return repr(value)
+
+
+def index_text(flat_index: int, shape: tuple[int, ...]) -> str:
+    return str(tuple(int(i) for i in np.unravel_index(flat_index, shape))) if shape else "()"
+
+
+def compare_exact(key: str, expected: np.ndarray, got: np.ndarray) -> list[str]:
+    wrong = np.flatnonzero(expected.ravel() != got.ravel())
+    if not wrong.size:
+        return []
+    first = wrong[0]
+    return [f"`{key}`: {wrong.size} of {expected.size} entries differ, first at index "
+            f"{index_text(first, expected.shape)}: expected {expected.ravel()[first]}, got {got.ravel()[first]}"]
+
+
+def compare_floats(key: str, expected: np.ndarray, got: np.ndarray, tolerance: float) -> list[str]:
+    problems = []
+    got = got.astype(np.float64)
+    nans = np.flatnonzero(np.isnan(got.ravel()) & ~np.isnan(expected.ravel()))
+    if nans.size:
+        problems.append(f"`{key}`: {nans.size} NaN{'s' if nans.size > 1 else ''} where the expected values are "
+                        f"not NaN, first at index {index_text(nans[0], expected.shape)}")
+    same = (got == expected) | (np.isnan(got) & np.isnan(expected))  # also equal infinities
+    with np.errstate(invalid="ignore"):
+        error = np.where(same, 0.0, np.abs(got - expected))
+    error = np.nan_to_num(error, nan=np.inf)
+    finite = np.abs(expected[np.isfinite(expected)])
+    allowed = tolerance * max(1.0, float(finite.max()) if finite.size else 1.0)
+    if error.size and error.max() > allowed:
+        worst = int(np.argmax(error))
+        problems.append(
+            f"`{key}`: max abs error {error.ravel()[worst]:.3g} at index {index_text(worst, expected.shape)} "
+            f"(expected {expected.ravel()[worst]:.6g}, got {got.ravel()[worst]:.6g}); tolerance {allowed:.3g}")
+    return problems
+
+
+def compare_tensor(key: str, expected: TensorValue, got, dtype: str, device: str) -> list[str]:
+    """`dtype` and `device`: what a float output should have (those of the first tensor argument)."""
+    if not isinstance(got, TensorValue):
+        return [f"`{key}`: expected a tensor of shape {expected.shape}, got {describe(got)}"]
+    if got.shape != expected.shape:
+        return [f"`{key}`: expected shape {expected.shape}, got {got.shape}"]
+    floating = np.issubdtype(expected.array.dtype, np.floating)
+    want = dtype if floating else expected.dtype
+    problems = []
+    if got.dtype != want:
+        because = " (the dtype of the first tensor argument)" if floating else ""
+        problems.append(f"`{key}`: expected dtype {want}{because}, got {got.dtype}")
+    if got.device != device:
+        problems.append(f"`{key}`: expected device {device} (that of the first tensor argument), got {got.device}")
+    if floating:
+        problems += compare_floats(key, expected.array, got.array, TOLERANCE.get(want, TOLERANCE["torch.float32"]))
+    else:
+        problems += compare_exact(key, expected.array, got.array)
+    return problems
+
+
+def compare(case: Case, inputs: Inputs, expected: dict, got: dict | Failure) -> CaseResult:
+    problems: list[str] = []
+    if isinstance(got, Failure):
+        problems.append(got.describe())
+    else:
+        first = inputs.first_tensor()
+        dtype = str(first.dtype) if first is not None else "torch.float32"
+        device = first.device.type if first is not None else "cpu"
+        for key, want in expected.items():
+            if key not in got:
+                problems.append(f"`{key}`: missing from the result")
+            elif isinstance(want, TensorValue):
+                problems += compare_tensor(key, want, got[key], dtype, device)
+            elif type(got[key]) is not type(want) or got[key] != want:
+                problems.append(f"`{key}`: expected {describe(want)}, got {describe(got[key])}")
+    return CaseResult(case.name, case.points, case.visible, case.about, inputs.describe(), tuple(problems))

@@ -1,0 +1,24 @@
+"""The registry of exercises: one module per exercise, each defining `EXERCISE`.
+
+Adding an exercise: write `autograde/exercises/<id>.py` and list it in `_MODULES`.
+"""
+
+from __future__ import annotations
+
+from autograde.cases import Exercise
+from autograde.exercises import mha, sdpa
+
+_MODULES = (sdpa, mha)
+EXERCISES: dict[str, Exercise] = {module.EXERCISE.id: module.EXERCISE for module in _MODULES}
+
+
+def get(exercise_id: str) -> Exercise:
+    try:
+        return EXERCISES[exercise_id]
+    except KeyError:
+        raise KeyError(f"no exercise {exercise_id!r}; the exercises are {', '.join(EXERCISES)}") from None
+
+
+def for_notebook(assignment: str, stem: str) -> Exercise | None:
+    """The exercise graded from `<assignment>/<stem>.ipynb`, if any."""
+    return next((e for e in EXERCISES.values() if e.assignment == assignment and e.id == stem), None)

@@ -1,0 +1,158 @@
+"""Find the functions an exercise does not allow: statically in the source, and by a tripwire.
+
+`scan` reads the submission's code (an AST walk, nothing runs) and is what the trusted
+process relies on. `Tripwire` is a torch function mode that records calls while the
+submission runs, which catches what the source hides (aliases, `getattr`, a module calling
+one for you, as `nn.MultiheadAttention` calls `F.multi_head_attention_forward`).
+Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
+`torch.nn.MultiheadAttention.forward` for calling an instance of that module.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import traceback
+from dataclasses import dataclass
+from typing import Iterable
+
+from torch.overrides import TorchFunctionMode
+
+from autograde.observe import learner_line
+
+
+@dataclass(frozen=True)
+class Violation:
+    name: str
+    where: str
+
+    def describe(self) -> str:
+        return f"uses {self.name}" + (f" ({self.where})" if self.where else "")
+
+
+class ForbiddenCall(RuntimeError):
+    pass
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _torch_aliases(trees: Iterable[ast.AST]) -> set[str]:
+    """Names bound to torch or one of its submodules (`torch`, `F`, `nn`, ...)."""
+    aliases = {"torch"}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "torch":
+                        aliases.add(alias.asname or "torch")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                aliases.update(alias.asname or alias.name for alias in node.names)
+    return aliases
+
+
+def _instance_calls(tree: ast.AST, cls: str) -> Iterable[ast.AST]:
+    """Calls of instances of `cls`: `cls(...)(x)`, `m = cls(...)` then `m(x)` or `m.forward(x)`."""
+    def constructs(node) -> bool:
+        return isinstance(node, ast.Call) and (_dotted(node.func) or "").split(".")[-1] == cls
+
+    instances = {
+        _dotted(target)
+        for node in ast.walk(tree) if isinstance(node, ast.Assign) and constructs(node.value)
+        for target in node.targets
+    } - {None}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        called = _dotted(node.func)
+        if constructs(node.func) or called in instances or (
+            called and called.endswith(".forward") and called.removesuffix(".forward") in instances
+        ):
+            yield node
+
+
+def _uses(tree: ast.AST, name: str, torch_names: set[str]) -> Iterable[ast.AST]:
+    parts = name.split(".")
+    attribute = parts[-1]
+    if attribute == "forward":
+        yield from _instance_calls(tree, parts[-2])
+        return
+    tensor_method = parts[-2] == "Tensor"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == attribute:
+            root = _root(node.value)
+            if (root not in ("self", "cls")) if tensor_method else (root in torch_names):
+                yield node
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(alias.name == attribute for alias in node.names):
+                yield node
+        elif (isinstance(node, ast.Call) and _dotted(node.func) == "getattr" and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == attribute):
+            yield node
+
+
+def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str]) -> list[Violation]:
+    """Violations in `cells`, pairs of (label such as 'cell 5', source); unparsable cells are skipped."""
+    parsed = []
+    for label, source in cells:
+        try:
+            parsed.append((label, source.splitlines(), ast.parse(source)))
+        except SyntaxError:
+            continue
+    torch_names = _torch_aliases(tree for _, _, tree in parsed)
+    found: list[Violation] = []
+    for name in not_allowed:
+        for label, lines, tree in parsed:
+            for node in _uses(tree, name, torch_names):
+                line = lines[node.lineno - 1].strip()
+                violation = Violation(name, f"{label}, line {node.lineno}: `{line}`")
+                if violation not in found:
+                    found.append(violation)
+    return found
+
+
+def resolve(name: str):
+    """The object a qualified name refers to, e.g. `torch.Tensor.softmax`."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            target = getattr(target, attribute)
+        return target
+    raise ImportError(name)
+
+
+class Tripwire(TorchFunctionMode):
+    """While active, a call of a not-allowed torch function is recorded and raises ForbiddenCall."""
+
+    def __init__(self, not_allowed: Iterable[str]):
+        super().__init__()
+        self.targets = {resolve(name): name for name in not_allowed}
+        self.violations: list[Violation] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            name = self.targets.get(func)
+        except TypeError:  # an unhashable callable is none of ours
+            name = None
+        if name is not None:
+            violation = Violation(name, learner_line(traceback.extract_stack()))
+            if violation not in self.violations:
+                self.violations.append(violation)
+            raise ForbiddenCall(f"{name} is not allowed in this exercise")
+        return func(*args, **(kwargs or {}))

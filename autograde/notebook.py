@@ -1,0 +1,55 @@
+"""Read a submitted notebook, or say in one sentence why it cannot be graded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+
+MAX_BYTES = 20 * 2**20
+CELL_TYPES = ("code", "markdown", "raw")
+
+
+class NotebookError(Exception):
+    """The file is not a gradable notebook; the message is the reason, written for the learner."""
+
+
+def _source_text(source) -> str | None:
+    if isinstance(source, str):
+        return source
+    if isinstance(source, list) and all(isinstance(line, str) for line in source):
+        return "".join(source)
+    return None
+
+
+def load(path: Path) -> nbformat.NotebookNode:
+    if not path.is_file():
+        raise NotebookError(f"no file {path.name}")
+    size = path.stat().st_size
+    if size == 0:
+        raise NotebookError(f"{path.name} is empty (0 bytes)")
+    if size > MAX_BYTES:
+        raise NotebookError(f"{path.name} is {size / 2**20:.0f} MiB, more than the {MAX_BYTES // 2**20} MiB allowed")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise NotebookError(f"{path.name} is not UTF-8 text, so not a notebook") from None
+    except json.JSONDecodeError as exc:
+        raise NotebookError(
+            f"{path.name} is not a notebook: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+        raise NotebookError(f"{path.name} is JSON but not a notebook (it has no list of cells)")
+    if data.get("nbformat") != 4:
+        raise NotebookError(f"{path.name} has nbformat {data.get('nbformat')!r}; version 4 is needed")
+    for number, cell in enumerate(data["cells"], 1):
+        if not isinstance(cell, dict) or cell.get("cell_type") not in CELL_TYPES:
+            raise NotebookError(f"{path.name}: cell {number} is not a code, markdown or raw cell")
+        source = _source_text(cell.get("source"))
+        if source is None:
+            raise NotebookError(f"{path.name}: cell {number} has no text source")
+        cell["source"] = source
+        if not isinstance(cell.get("metadata", {}), dict):
+            raise NotebookError(f"{path.name}: cell {number} has malformed metadata")
+    return nbformat.from_dict(data)

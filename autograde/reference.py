@@ -1,0 +1,43 @@
+"""The reference implementations: the solution cells of the `solutions/` notebooks.
+
+They are the course's own trusted code, so they run in the grading process itself, in
+float64, to give the expected observations of each test case.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import nbformat
+import torch
+
+from autograde.cases import Case, Exercise, Inputs
+from autograde.observe import Failure, run_probe
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+
+
+def solution_cells(notebook: nbformat.NotebookNode) -> list[str]:
+    return [
+        cell.source for cell in notebook.cells
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution", False)
+    ]
+
+
+@functools.cache
+def namespace(exercise: Exercise) -> dict:
+    path = SOLUTIONS / exercise.notebook
+    notebook = nbformat.read(path, as_version=4)
+    names: dict = {"__name__": f"reference_{exercise.id}"}
+    for index, source in enumerate(solution_cells(notebook)):
+        exec(compile(source, f"{path}:solution cell {index + 1}", "exec"), names)
+    return names
+
+
+def expected(exercise: Exercise, case: Case, inputs: Inputs) -> dict:
+    """The reference's observations for `case`, computed in float64."""
+    result = run_probe(case.probe, namespace(exercise), inputs.cast(torch.float64))
+    if isinstance(result, Failure):
+        raise RuntimeError(f"the reference fails {exercise.id}/{case.name}: {result.describe()}")
+    return result

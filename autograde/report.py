@@ -1,0 +1,97 @@
+"""Reports: the grade table (CSV), per-student feedback (Markdown), and text for one notebook."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autograde.compare import CaseResult
+from autograde.forbidden import Violation
+
+if TYPE_CHECKING:
+    from autograde.grade import Grade
+
+CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed")
+
+
+def points(value: float) -> str:
+    return f"{value:g}"
+
+
+def case_lines(result: CaseResult, details: bool) -> list[str]:
+    mark = "PASS" if result.passed else "FAIL"
+    name = result.name + ("" if result.visible else " (hidden)")
+    lines = [f"{mark}  {name:<34} {points(result.earned):>4}/{points(result.points):<4} {result.about}"]
+    if details and not result.passed:
+        lines.append(f"      inputs: {result.inputs}")
+        lines += [f"      {problem}" for problem in result.problems]
+    return lines
+
+
+def check_text(exercise_id: str, results: list[CaseResult], violations: list[Violation],
+               hidden_points: float) -> str:
+    """What `check(...)` prints in the notebook."""
+    earned, possible = sum(r.earned for r in results), sum(r.points for r in results)
+    lines = [f'check("{exercise_id}"): {points(earned)} of {points(possible)} points from the visible tests'
+             + (f" (hidden tests add {points(hidden_points)} more at grading)" if hidden_points else "")]
+    for violation in violations:
+        lines.append(f"NOT ALLOWED: {violation.describe()}; the grader gives this exercise 0 points")
+    for result in results:
+        lines += case_lines(result, details=True)
+    return "\n".join(lines)
+
+
+def grade_text(grade: Grade, seed: int) -> str:
+    """A report on one graded notebook, every test in detail (for the instructor's terminal)."""
+    exercise = grade.exercise
+    lines = [f"{exercise.id} ({exercise.notebook}): {points(grade.score)} / {points(grade.max_score)} points, "
+             f"status {grade.status}", f"hidden tests drawn with seed {seed}"]
+    if grade.reason:
+        lines.append(f"reason: {grade.reason}")
+    lines += [f"note: {note}" for note in grade.notes]
+    for result in grade.results:
+        lines += case_lines(result, details=True)
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
+    """One row per (student, exercise)."""
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(CSV_COLUMNS)
+        for student, grade in rows:
+            writer.writerow([student, grade.exercise.id, points(grade.score), points(grade.max_score),
+                             grade.status, grade.reason, seed])
+
+
+def _markdown_problems(result: CaseResult) -> list[str]:
+    return [f"**{result.name}**: {result.about}", "", f"- inputs: {result.inputs}",
+            *(f"- {problem}" for problem in result.problems), ""]
+
+
+def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
+    """Visible tests in detail; hidden tests by name and result only."""
+    total, possible = sum(g.score for g in grades), sum(g.max_score for g in grades)
+    lines = [f"# Feedback for {student}", "",
+             f"Total: {points(total)} / {points(possible)} points. "
+             f"The hidden tests drew their inputs from seed {seed}.", ""]
+    for grade in grades:
+        exercise = grade.exercise
+        lines += [f"## {exercise.id}: {points(grade.score)} / {points(grade.max_score)}", "",
+                  f"Notebook `{exercise.notebook}`, status: {grade.status}.", ""]
+        if grade.status != "graded":
+            lines += [f"Reason: {grade.reason}.", ""]
+        lines += [f"- {note}" for note in grade.notes] + ([""] if grade.notes else [])
+        lines += ["| Test | Points | Result |", "|---|---|---|"]
+        for result in grade.results:
+            name = result.name if result.visible else f"{result.name} (hidden)"
+            outcome = "passed" if result.passed else "failed"
+            lines.append(f"| {name} | {points(result.earned)} / {points(result.points)} | {outcome} |")
+        lines.append("")
+        failed = [r for r in grade.results if r.visible and not r.passed]
+        if failed and grade.status in ("graded", "incomplete"):
+            lines += ["### What the failed visible tests found", ""]
+            for result in failed:
+                lines += _markdown_problems(result)
+    return "\n".join(lines).rstrip() + "\n"
