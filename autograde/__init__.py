@@ -5,6 +5,6 @@ In a notebook: `from autograde import check; check("sdpa")`. For instructors:
 (see autograde/README.md).
 """
 
-from autograde.check import check
+from autograde.self_check import check
 
 __all__ = ["check"]

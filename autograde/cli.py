@@ -39,7 +39,7 @@ def grade_one(path: Path, seed: int, limits: sandbox.Limits) -> int:
 
 def grade_tree(submitted: Path, out: Path, seed: int, jobs: int, limits: sandbox.Limits,
                assignments: list[str] | None) -> int:
-    rows = grade.grade_all(submitted, seed, jobs, limits, assignments, progress=sys.stderr.isatty() or True)
+    rows = grade.grade_all(submitted, seed, jobs, limits, assignments)
     out.mkdir(parents=True, exist_ok=True)
     report.write_csv(out / "grades.csv", rows, seed)
     feedback = out / "feedback"

@@ -49,10 +49,13 @@ class Grade:
     notes: tuple[str, ...] = field(default_factory=tuple)  # what else the learner should know
 
     @property
+    def counted(self) -> bool:
+        """Whether the tests that passed earn their points (not when nothing ran, or not allowed)."""
+        return self.status in (GRADED, INCOMPLETE)
+
+    @property
     def score(self) -> float:
-        if self.status in (GRADED, INCOMPLETE):
-            return sum(result.earned for result in self.results)
-        return 0.0
+        return sum(result.earned for result in self.results) if self.counted else 0.0
 
     @property
     def max_score(self) -> float:
@@ -124,12 +127,20 @@ def read_outcome(folder: Path, prepared: Prepared, outcome: sandbox.ProcessOutco
     if violations:
         reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
         return Grade(prepared.exercise, NOT_ALLOWED, reason, tuple(results), notes)
-    failed = [r.name for r in results if not r.passed]
     if result.get("done") is not True:
         reason = f"the grading process {ended} during {running}"
         return Grade(prepared.exercise, INCOMPLETE, reason, tuple(results), notes)
-    reason = "; ".join(([notes[0]] if notes else []) + ([f"failed: {', '.join(failed)}"] if failed else []))
-    return Grade(prepared.exercise, GRADED, reason, tuple(results), notes)
+    return Grade(prepared.exercise, GRADED, summary(results, notes), tuple(results), notes)
+
+
+def summary(results: list[CaseResult], notes: tuple[str, ...]) -> str:
+    """The grade's reason in one line: the first cell that failed, and the tests that failed."""
+    failed = [r for r in results if not r.passed]
+    if failed and len(failed) == len(results):
+        tests = f"every test failed, the first with: {failed[0].problems[0]}"
+    else:
+        tests = f"failed: {', '.join(r.name for r in failed)}" if failed else ""
+    return "; ".join(([notes[0]] if notes else []) + ([tests] if tests else []))
 
 
 def grade_notebook(path: Path, prepared: Prepared, limits: sandbox.Limits = sandbox.Limits()) -> Grade:

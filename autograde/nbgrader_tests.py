@@ -12,7 +12,7 @@ import os
 import secrets
 
 from autograde import exercises
-from autograde.check import run_in_process
+from autograde.self_check import run_in_process
 
 SEED_VARIABLE = "AUTOGRADE_SEED"
 

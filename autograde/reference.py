@@ -7,9 +7,9 @@ float64, to give the expected observations of each test case.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
-import nbformat
 import torch
 
 from autograde.cases import Case, Exercise, Inputs
@@ -18,17 +18,18 @@ from autograde.observe import Failure, run_probe
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 
 
-def solution_cells(notebook: nbformat.NotebookNode) -> list[str]:
+def solution_cells(notebook: dict) -> list[str]:
+    """The sources of the nbgrader solution cells of a notebook read as plain JSON."""
     return [
-        cell.source for cell in notebook.cells
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution", False)
+        "".join(cell["source"]) for cell in notebook["cells"]
+        if cell["cell_type"] == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)
     ]
 
 
 @functools.cache
 def namespace(exercise: Exercise) -> dict:
     path = SOLUTIONS / exercise.notebook
-    notebook = nbformat.read(path, as_version=4)
+    notebook = json.loads(path.read_text(encoding="utf-8"))
     names: dict = {"__name__": f"reference_{exercise.id}"}
     for index, source in enumerate(solution_cells(notebook)):
         exec(compile(source, f"{path}:solution cell {index + 1}", "exec"), names)

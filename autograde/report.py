@@ -86,11 +86,12 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
         lines += ["| Test | Points | Result |", "|---|---|---|"]
         for result in grade.results:
             name = result.name if result.visible else f"{result.name} (hidden)"
-            outcome = "passed" if result.passed else "failed"
-            lines.append(f"| {name} | {points(result.earned)} / {points(result.points)} | {outcome} |")
+            outcome = ("passed" if grade.counted else "passed, not counted") if result.passed else "failed"
+            earned = result.earned if grade.counted else 0
+            lines.append(f"| {name} | {points(earned)} / {points(result.points)} | {outcome} |")
         lines.append("")
         failed = [r for r in grade.results if r.visible and not r.passed]
-        if failed and grade.status in ("graded", "incomplete"):
+        if failed and grade.counted:
             lines += ["### What the failed visible tests found", ""]
             for result in failed:
                 lines += _markdown_problems(result)

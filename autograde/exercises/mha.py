@@ -198,7 +198,7 @@ def masked_cross_inputs(draw: Draw) -> Inputs:
 
 def defaults_inputs(draw: Draw) -> Inputs:
     num_heads = draw.choice([1, 2, 3, 6])
-    d_model, dtype = num_heads * draw.integer(1, 4), torch.float64
+    d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
     values = sequences(draw, draw.integer(1, 3), draw.integer(1, 6), draw.integer(1, 6), d_model, dtype)
     del values["value"]
     return Inputs(module_inputs(values, d_model, num_heads, True, projection_weights(draw, d_model, True, dtype)),
@@ -207,7 +207,7 @@ def defaults_inputs(draw: Draw) -> Inputs:
 
 def load_no_bias_inputs(draw: Draw) -> Inputs:
     num_heads = draw.choice([1, 2, 4, 8])
-    d_model, dtype = num_heads * draw.integer(1, 4), draw.choice([torch.float32, torch.float64])
+    d_model, dtype = num_heads * draw.integer(2, 4), draw.choice([torch.float32, torch.float64])
     values = sequences(draw, draw.integer(1, 3), draw.integer(1, 6), draw.integer(1, 6), d_model, dtype)
     return Inputs(module_inputs(values, d_model, num_heads, False, torch_mha_weights(draw, d_model, False, dtype)),
                   f"weights of an nn.MultiheadAttention({d_model}, {num_heads}, bias=False)")

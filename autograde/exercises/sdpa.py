@@ -93,7 +93,7 @@ def random_shapes(draw: Draw) -> Inputs:
 
 
 def random_masks(draw: Draw) -> Inputs:
-    B, H, L, S = draw.integer(1, 3), draw.integer(1, 4), draw.integer(2, 8), draw.integer(1, 8)
+    B, H, L, S = draw.integer(1, 3), draw.integer(1, 4), draw.integer(2, 8), draw.integer(2, 8)
     values = qkv(draw, (B, H), L=L, S=S, d_k=draw.integer(2, 12), d_v=draw.integer(1, 12),
                  dtype=draw.choice([torch.float32, torch.float64]))
     shape = draw.choice([(L, S), (B, 1, L, S), (B, H, L, S), (1, H, L, S)])

@@ -35,7 +35,8 @@ def run_in_process(exercise: Exercise, cases: list[Case], namespace: dict,
         with tripwire:
             got = run_probe(case.probe, namespace, inputs)
         results.append(compare(case, inputs, expected, got))
-    return results, violations + [v for v in tripwire.violations if v not in violations]
+    found = {v.name for v in violations}
+    return results, violations + [v for v in tripwire.violations if v.name not in found]
 
 
 def check(exercise_id: str, function: str | None = None, namespace: dict | None = None) -> None:

@@ -1,0 +1,255 @@
+"""Each step of the grader's pipeline on its own: load, extract, scan, wire, compare, seeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autograde import exercises, extract, forbidden, notebook, wire
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, build_inputs
+from autograde.compare import compare_tensor
+from autograde.observe import OtherValue, TensorValue, observe_tensor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# notebook: a file that cannot be graded says why.
+
+@pytest.mark.parametrize("content, reason", [
+    (b"", "is empty (0 bytes)"),
+    (b"print('hello')\n", "not a notebook: not valid JSON (Expecting value at line 1, column 1)"),
+    (b"\xff\xfe\x00", "is not UTF-8 text"),
+    (b"[1, 2]", "is JSON but not a notebook"),
+    (json.dumps({"cells": [], "nbformat": 3}).encode(), "has nbformat 3; version 4 is needed"),
+    (json.dumps({"cells": [{"cell_type": "code"}], "nbformat": 4}).encode(), "cell 1 has no text source"),
+    (json.dumps({"cells": [{"cell_type": "widget", "source": ""}], "nbformat": 4}).encode(),
+     "cell 1 is not a code, markdown or raw cell"),
+])
+def test_an_unreadable_notebook_gets_a_clear_reason(tmp_path: Path, content: bytes, reason: str):
+    path = tmp_path / "sdpa.ipynb"
+    path.write_bytes(content)
+    with pytest.raises(notebook.NotebookError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        notebook.load(path)
+
+
+def test_a_notebook_with_list_sources_loads(tmp_path: Path):
+    path = tmp_path / "sdpa.ipynb"
+    path.write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {},
+                                "cells": [{"cell_type": "code", "source": ["x = 1\n", "y = 2\n"], "metadata": {}}]}))
+    assert notebook.load(path).cells[0].source == "x = 1\ny = 2\n"
+
+
+# extract: the code a submission defines.
+
+def cells_of(*sources, metadata=None) -> nbformat.NotebookNode:
+    cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    for cell in cells:
+        cell.metadata = metadata or {}
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def test_magics_and_shell_lines_become_pass_and_keep_line_numbers():
+    [cell] = extract.code_cells(cells_of("%matplotlib inline\nx = 1\nfor i in range(2):\n    !ls\ny = 2"))
+    assert cell.source == "pass\nx = 1\nfor i in range(2):\n    pass\ny = 2"
+
+
+def test_a_python_cell_magic_keeps_its_body_and_another_cell_magic_is_dropped():
+    cells = extract.code_cells(cells_of("%%time\nx = 1", "%%bash\necho hi", "y = 10 % 3"))
+    assert [c.source for c in cells] == ["\nx = 1", "y = 10 % 3"]
+    assert [c.number for c in cells] == [1, 3]
+
+
+def test_the_release_check_and_test_cells_and_check_calls_are_skipped():
+    release = nbformat.read(Path(__file__).parents[1] / "exercises" / "attention" / "sdpa.ipynb", as_version=4)
+    kept = [release.cells[cell.number - 1].metadata["nbgrader"]["grade_id"] for cell in extract.code_cells(release)]
+    assert kept == ["setup", "scaled_dot_product_attention", "causal_mask"]
+    [cell] = extract.code_cells(cells_of("from autograde import check\nx = 1\ncheck('sdpa')"))
+    assert cell.source == "\nx = 1\n"
+
+
+def test_a_cell_with_a_syntax_error_is_kept_as_written():
+    [cell] = extract.code_cells(cells_of("def f(:\n    pass"))
+    assert cell.source == "def f(:\n    pass"
+
+
+# forbidden: the static scan.
+
+def scan(source: str, names=NOT_ALLOWED_ATTENTION) -> list[str]:
+    return [v.name for v in forbidden.scan([("cell 1", source)], names)]
+
+
+@pytest.mark.parametrize("source", [
+    "import torch.nn.functional as F\nout = F.scaled_dot_product_attention(q, k, v)",
+    "import torch\nout = torch.nn.functional.scaled_dot_product_attention(q, k, v)",
+    "from torch.nn.functional import scaled_dot_product_attention as fast",
+    "from torch.nn import functional as G\nG.scaled_dot_product_attention(q, k, v)",
+    "import torch.nn.functional as F\nf = getattr(F, 'scaled_dot_product_attention')",
+])
+def test_the_scan_finds_torch_sdpa_however_it_is_named(source):
+    assert scan(source) == ["torch.nn.functional.scaled_dot_product_attention"]
+
+
+@pytest.mark.parametrize("source", [
+    "from torch import nn\nnn.MultiheadAttention(8, 2)(x, x, x)",
+    "from torch import nn\nm = nn.MultiheadAttention(8, 2)\nout = m(x, x, x)",
+    "from torch import nn\nself.attn = nn.MultiheadAttention(8, 2)\nself.attn.forward(x, x, x)",
+])
+def test_the_scan_finds_a_call_of_nn_multiheadattention(source):
+    assert scan(source) == ["torch.nn.MultiheadAttention.forward"]
+
+
+@pytest.mark.parametrize("source", [
+    "def scaled_dot_product_attention(q, k, v, mask=None):\n    return q, k\n"
+    "out = scaled_dot_product_attention(1, 2, 3)",
+    "class M:\n    def scaled_dot_product_attention(self, q):\n        return q\n"
+    "    def forward(self, q):\n        return self.scaled_dot_product_attention(q)",
+    "from torch import nn\ntorch_mha = nn.MultiheadAttention(8, 2)\nprint(torch_mha.in_proj_weight.shape)",
+    "import torch\nw = torch.softmax(x, dim=-1)\ny = x.softmax(-1)",
+    "def f(:",
+])
+def test_the_scan_lets_allowed_code_pass(source):
+    assert scan(source) == []
+
+
+def test_the_softmax_family_is_found_for_the_exercises_that_forbid_it():
+    source = "import torch\nimport torch.nn.functional as F\na = x.softmax(-1)\nb = torch.logsumexp(x, -1)\n" \
+             "c = F.log_softmax(x, -1)\ndef online_softmax(x):\n    return x\nd = online_softmax(x)"
+    # torch.logsumexp(x) reads as a method call too: both names are not allowed.
+    assert set(scan(source, NOT_ALLOWED_SOFTMAX)) == {"torch.Tensor.softmax", "torch.logsumexp", "torch.Tensor.logsumexp",
+                                                     "torch.nn.functional.log_softmax"}
+
+
+# forbidden: the tripwire.
+
+def test_the_tripwire_records_and_stops_a_call_of_torch_sdpa():
+    q = torch.randn(1, 2, 3, 4)
+    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        torch.softmax(q, dim=-1)  # allowed
+        with pytest.raises(forbidden.ForbiddenCall):
+            F.scaled_dot_product_attention(q, q, q)
+    assert [v.name for v in tripwire.violations] == ["torch.nn.functional.scaled_dot_product_attention"]
+
+
+def test_the_tripwire_catches_nn_multiheadattention_in_eval_mode_too():
+    torch_mha = nn.MultiheadAttention(4, 2, batch_first=True).eval()
+    x = torch.randn(1, 3, 4)
+    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire, torch.no_grad():
+        with pytest.raises(forbidden.ForbiddenCall):
+            torch_mha(x, x, x)
+    assert [v.name for v in tripwire.violations] == ["torch.nn.functional.multi_head_attention_forward"]
+
+
+def test_the_tripwire_catches_every_member_of_the_softmax_family():
+    x = torch.randn(3, 4)
+    calls = [lambda: x.softmax(-1), lambda: torch.softmax(x, -1), lambda: F.softmax(x, -1),
+             lambda: torch.logsumexp(x, -1), lambda: x.logsumexp(-1), lambda: F.log_softmax(x, -1)]
+    for call in calls:
+        with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire:
+            with pytest.raises(forbidden.ForbiddenCall):
+                call()
+        assert len(tripwire.violations) == 1
+
+
+# wire: what comes back from the worker is checked before it is believed.
+
+def test_an_array_round_trips_and_its_header_is_read_first(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert wire.read_header(tmp_path / "a.npy") == ((2, 3), np.dtype(np.float32))
+    np.testing.assert_array_equal(wire.read_array(tmp_path / "a.npy"), np.arange(6).reshape(2, 3))
+
+
+def test_a_pickled_object_array_is_refused(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(wire.WireError, match="not a plain numeric dtype"):
+        wire.read_array(tmp_path / "a.npy")
+
+
+def test_an_array_whose_size_disagrees_with_its_header_is_refused(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.zeros(10))
+    with (tmp_path / "a.npy").open("ab") as file:
+        file.write(b"extra")
+    with pytest.raises(wire.WireError, match="does not match its header"):
+        wire.read_array(tmp_path / "a.npy")
+
+
+def test_an_array_of_the_wrong_shape_is_not_loaded(tmp_path: Path):
+    np.save(tmp_path / "out.npy", np.zeros((1000, 1000)))
+    expected = {"out": TensorValue((2, 3), "torch.float64", "cpu", np.zeros((2, 3)))}
+    encoded = {"outputs": {"out": {"tensor": "out.npy", "dtype": "torch.float64", "device": "cpu"}}}
+    got = wire.decode_observations(encoded, tmp_path, expected)
+    assert got["out"].shape == (1000, 1000) and got["out"].array is None
+    assert compare_tensor("out", expected["out"], got["out"], "torch.float64", "cpu") == [
+        "`out`: expected shape (2, 3), got (1000, 1000)"]
+
+
+@pytest.mark.parametrize("encoded", [
+    {"outputs": {"out": {"tensor": "../../etc/passwd.npy", "dtype": "x", "device": "cpu"}}},
+    {"outputs": {"out": {"value": [1, 2]}}},
+    {"outputs": "nothing"},
+    {"failure": ["exception"]},
+    [],
+])
+def test_a_malformed_result_is_refused(tmp_path: Path, encoded):
+    with pytest.raises(wire.WireError):
+        wire.decode_observations(encoded, tmp_path, {})
+
+
+def test_a_result_file_that_is_not_json_or_too_large_is_refused(tmp_path: Path):
+    (tmp_path / "result.json").write_text("{not json")
+    with pytest.raises(wire.WireError, match="not valid JSON"):
+        wire.read_json(tmp_path / "result.json")
+    (tmp_path / "result.json").write_text(" " * (wire.MAX_JSON_BYTES + 1))
+    with pytest.raises(wire.WireError, match="larger than"):
+        wire.read_json(tmp_path / "result.json")
+
+
+# compare: the messages name the place and the size of a difference.
+
+def test_compare_reports_the_largest_error_and_where():
+    expected = observe_tensor(torch.zeros(2, 3, dtype=torch.float64))
+    got = observe_tensor(torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, -0.1]], dtype=torch.float32))
+    assert compare_tensor("out", expected, got, "torch.float32", "cpu") == [
+        "`out`: max abs error 0.5 at index (1, 1) (expected 0, got 0.5); tolerance 1e-05"]
+
+
+def test_compare_reports_nans_dtype_and_other_types():
+    expected = observe_tensor(torch.zeros(2, 2, dtype=torch.float64))
+    got = observe_tensor(torch.tensor([[0.0, float("nan")], [0.0, 0.0]], dtype=torch.float64))
+    assert compare_tensor("w", expected, got, "torch.float32", "cpu") == [
+        "`w`: expected dtype torch.float32 (the dtype of the first tensor argument), got torch.float64",
+        "`w`: 1 NaN where the expected values are not NaN, first at index (0, 1)"]
+    assert compare_tensor("w", expected, OtherValue("list"), "torch.float64", "cpu") == [
+        "`w`: expected a tensor of shape (2, 2), got a list"]
+
+
+def test_compare_accepts_errors_within_the_tolerance_relative_to_the_scale():
+    expected = observe_tensor(torch.full((3,), 100.0, dtype=torch.float64))
+    got = observe_tensor(torch.full((3,), 100.0005, dtype=torch.float32))
+    assert compare_tensor("out", expected, got, "torch.float32", "cpu") == []
+
+
+# seeds and the exercise data.
+
+def test_visible_inputs_are_fixed_and_hidden_inputs_follow_the_seed():
+    exercise = exercises.get("sdpa")
+    visible, hidden = exercise.case("no-mask"), exercise.case("random-shapes")
+    assert torch.equal(build_inputs(exercise, visible, 1)["q"], build_inputs(exercise, visible, 2)["q"])
+    assert torch.equal(build_inputs(exercise, hidden, 1)["q"], build_inputs(exercise, hidden, 1)["q"])
+    assert build_inputs(exercise, hidden, 1).describe() != build_inputs(exercise, hidden, 2).describe()
+    with pytest.raises(ValueError, match="needs the instructor's seed"):
+        build_inputs(exercise, hidden, None)
+
+
+@pytest.mark.parametrize("exercise", exercises.EXERCISES.values(), ids=lambda e: e.id)
+def test_each_exercise_is_worth_10_points_over_visible_and_hidden_tests(exercise):
+    assert exercise.max_score == 10
+    assert {case.visible for case in exercise.cases} == {True, False}
+    assert all(set(case.uses) <= set(exercise.required) for case in exercise.cases)
+    assert all(forbidden.resolve(name) for name in exercise.not_allowed)
