@@ -1,0 +1,228 @@
+"""The built book in a real browser, as a reader meets it, on a network that reaches nothing.
+
+Needs the HTML build (`make book`, or set SITE_HTML). SITE_BOOK_ROOT and SITE_TOC point the
+tests at another checkout and table of contents; screenshots go to test-artifacts/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
+
+import pytest
+import yaml
+
+from tests.site_support import (
+    CHROMIUM_ARGS, element_ids, ensure_chromium, first_heading, front_matter, serve, toc_pages,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK_ROOT = Path(os.environ.get("SITE_BOOK_ROOT", ROOT))
+HTML = Path(os.environ.get("SITE_HTML", BOOK_ROOT / "_build" / "html"))
+TOC = Path(os.environ.get("SITE_TOC", BOOK_ROOT / "_toc.yml"))
+ARTIFACTS = ROOT / "test-artifacts"
+CONFIG = yaml.safe_load((BOOK_ROOT / "_config.yml").read_text(encoding="utf-8"))
+
+sys.path.insert(0, str(ROOT / "tools"))
+from book_site import colab_notebook, colab_notebook_path  # noqa: E402
+
+PAGES = toc_pages(TOC)
+# A page whose source is missing fails its own tests, not the collection of the whole suite.
+SOURCES = {page: source.read_text(encoding="utf-8") if (source := BOOK_ROOT / f"{page}.md").exists() else ""
+           for page in PAGES}
+EXECUTABLE_PAGES = [page for page in PAGES if "kernelspec" in front_matter(SOURCES[page])]
+# Terms a reader would type, and the page that must come up: every chapter's own title too.
+SEARCHES = [("grouped-query", "book/mqa-gqa")] if "book/mqa-gqa" in PAGES else []
+SEARCHES += [(title, page) for page in PAGES[1:] if (title := first_heading(SOURCES[page]))]
+RAW_TEX = ("$$", "\\(", "\\)", "\\[", "\\begin{")
+PAGE_TIMEOUT_MS = 20_000
+
+COLLECT_JS = """async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+  const images = Array.from(document.images);
+  images.forEach(img => { img.loading = 'eager'; });
+  await Promise.all(images.map(img => img.complete ? null : new Promise(done => {
+    img.addEventListener('load', done); img.addEventListener('error', done);
+  })));
+  const math = Array.from(document.querySelectorAll('.math'));
+  const skip = 'pre, code, script, style, textarea, mjx-container';
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const rawTex = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const parent = node.parentElement;
+    if (!parent || parent.closest(skip) || !parent.checkVisibility()) continue;
+    if (%(raw_tex)s.some(token => node.textContent.includes(token))) rawTex.push(node.textContent.trim());
+  }
+  return {
+    images: images.map(img => ({src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0})),
+    mathElements: math.length,
+    untypesetMath: math.filter(el => !el.querySelector('mjx-container')).map(el => el.textContent.slice(0, 80)),
+    typesetMath: document.querySelectorAll('mjx-container').length,
+    mathErrors: Array.from(document.querySelectorAll('mjx-merror'), el => el.textContent),
+    rawTex,
+    links: Array.from(document.querySelectorAll('a[href]'), a => a.href),
+    icons: Array.from(document.querySelectorAll('link[rel~="icon"]'), link => link.href),
+  };
+}""" % {"raw_tex": json.dumps(RAW_TEX)}
+
+
+@dataclass
+class Visit:
+    """What one page load did: every request, every complaint, and what the page shows."""
+    url: str
+    requests: list[str] = field(default_factory=list)
+    console_errors: list[str] = field(default_factory=list)
+    failed_requests: list[str] = field(default_factory=list)
+    page: dict = field(default_factory=dict)
+
+
+def _is_local(url: str, base: str) -> bool:
+    return url.startswith(base) or urlsplit(url).scheme in ("data", "blob", "about")
+
+
+def _visit(context, url: str, base: str, collect: str | None = COLLECT_JS, screenshot: Path | None = None) -> Visit:
+    visit = Visit(url)
+    page = context.new_page()
+    page.on("console", lambda message: message.type == "error" and visit.console_errors.append(
+        f"{message.text} ({message.location.get('url')})"))
+    page.on("pageerror", lambda error: visit.console_errors.append(f"uncaught: {error}"))
+    page.on("request", lambda request: visit.requests.append(request.url))
+    page.on("requestfailed", lambda request: _is_local(request.url, base) and visit.failed_requests.append(
+        f"{request.url}: {request.failure}"))
+    page.on("response", lambda response: response.status >= 400 and visit.failed_requests.append(
+        f"{response.url}: HTTP {response.status}"))
+    page.goto(url, wait_until="load", timeout=PAGE_TIMEOUT_MS)
+    if collect:
+        visit.page = page.evaluate(collect)
+    page.wait_for_load_state("networkidle", timeout=PAGE_TIMEOUT_MS)
+    if screenshot:
+        page.screenshot(path=str(screenshot), full_page=True)
+    page.close()
+    return visit
+
+
+@pytest.fixture(scope="session")
+def site():
+    """Every page of the table of contents, loaded once in headless Chromium from a local server."""
+    if not (HTML / "index.html").exists():
+        pytest.fail(f"no built book at {HTML}: run `make book` first (or set SITE_HTML)", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    chromium = ensure_chromium()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with serve(HTML) as base, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        # A closed network: anything not served by the book's own server is refused, and recorded.
+        context.route("**/*", lambda route: route.continue_() if _is_local(route.request.url, base)
+                      else route.abort("blockedbyclient"))
+        visits = {page: _visit(context, f"{base}{page}.html", base) for page in PAGES}
+        yield base, context, visits
+        browser.close()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_loads_without_console_errors_or_failed_requests(site, page):
+    visit = site[2][page]
+    assert not visit.console_errors, f"{page}: browser console errors:\n" + "\n".join(visit.console_errors)
+    assert not visit.failed_requests, f"{page}: failed requests:\n" + "\n".join(visit.failed_requests)
+    # Without an icon of its own, a browser asks the server for a /favicon.ico that is not there.
+    assert visit.page["icons"], f"{page} names no favicon"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_requests_nothing_outside_the_book(site, page):
+    base, _, visits = site
+    outside = [url for url in visits[page].requests if not _is_local(url, base)]
+    assert not outside, f"{page} asks other hosts for:\n" + "\n".join(outside)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_math_is_typeset_by_the_books_own_mathjax(site, page):
+    shown = site[2][page].page
+    assert not shown["untypesetMath"], f"{page}: math left as TeX: {shown['untypesetMath']}"
+    assert not shown["mathErrors"], f"{page}: MathJax could not typeset: {shown['mathErrors']}"
+    assert not shown["rawTex"], f"{page}: TeX delimiters in the visible text: {shown['rawTex']}"
+
+
+def test_math_is_typeset_somewhere(site):
+    """Guards the test above against a build in which nothing is math."""
+    typeset = {page: visit.page["typesetMath"] for page, visit in site[2].items()}
+    assert sum(typeset.values()) > 0, typeset
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_image_loads(site, page):
+    broken = [image["src"] for image in site[2][page].page["images"] if not image["ok"]]
+    assert not broken, f"{page}: images that did not load:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_internal_links_and_anchors_resolve(site, page):
+    base, _, visits = site
+    dead = []
+    for link in sorted(set(visits[page].page["links"] + visits[page].page["icons"])):
+        if not link.startswith(base):
+            continue
+        parts = urlsplit(link)
+        target = HTML / unquote(parts.path).lstrip("/")
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.is_file():
+            dead.append(f"{link}: no such file")
+        elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in element_ids(target):
+            dead.append(f"{link}: no id {unquote(parts.fragment)!r} in {target.relative_to(HTML)}")
+    assert not dead, f"{page}: links that lead nowhere:\n" + "\n".join(dead)
+
+
+@pytest.mark.parametrize(("term", "page"), SEARCHES)
+def test_search_finds_the_chapter(site, term, page):
+    base, context, _ = site
+    browser_page = context.new_page()
+    browser_page.goto(f"{base}search.html?q={quote(term)}", wait_until="load", timeout=PAGE_TIMEOUT_MS)
+    # Sphinx's search writes its summary line when it has finished.
+    browser_page.wait_for_function("() => document.querySelector('#search-results .search-summary')?.textContent",
+                                   timeout=PAGE_TIMEOUT_MS)
+    hits = [urlsplit(href).path for href in browser_page.locator("#search-results ul.search li a").evaluate_all(
+        "links => links.map(a => a.href)")]
+    browser_page.close()
+    assert f"/{page}.html" in hits, f"searching {term!r} found {hits}"
+
+
+def _colab_url(page: str) -> str:
+    repository = urlsplit(CONFIG["repository"]["url"]).path.strip("/")
+    branch = CONFIG["repository"]["branch"]
+    return f"https://colab.research.google.com/github/{repository}/blob/{branch}/{colab_notebook_path(page)}"
+
+
+@pytest.mark.parametrize("page", EXECUTABLE_PAGES)
+def test_colab_button_opens_the_chapters_notebook(site, page):
+    colab_links = {link for link in site[2][page].page["links"] if "colab.research.google.com" in link}
+    assert CONFIG["repository"]["url"] == "https://github.com/mha-derived/mha-derived"
+    assert colab_links == {_colab_url(page)}, f"{page}: Colab button"
+    notebook = BOOK_ROOT / colab_notebook_path(page)
+    assert notebook.is_file(), f"{notebook} missing: the book build writes it"
+    assert notebook.read_text(encoding="utf-8") == colab_notebook(SOURCES[page]), \
+        f"{notebook} is older than {page}.md: rebuild the book"
+    if (BOOK_ROOT / ".git").exists():
+        path = colab_notebook_path(page)
+        changed = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=BOOK_ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+        assert changed == "", f"Colab opens the committed {path}: commit it ({changed.strip()})"
+
+
+def test_screenshots_of_key_pages(site):
+    """Pictures to look at: the introduction, a chapter with math and a figure, and search."""
+    base, context, visits = site
+    figure_and_math = [page for page, visit in visits.items()
+                       if visit.page["typesetMath"] and any("_images/" in i["src"] for i in visit.page["images"])]
+    shots = {"intro": f"{base}{PAGES[0]}.html", "search": f"{base}search.html?q=attention"}
+    if figure_and_math:
+        shots["chapter"] = f"{base}{figure_and_math[0]}.html"
+    for name, url in shots.items():
+        _visit(context, url, base, screenshot=ARTIFACTS / f"{name}.png")
+        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000, name
