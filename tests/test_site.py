@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -35,11 +36,14 @@ PAGES = toc_pages(TOC)
 SOURCES = {page: source.read_text(encoding="utf-8") if (source := BOOK_ROOT / f"{page}.md").exists() else ""
            for page in PAGES}
 EXECUTABLE_PAGES = [page for page in PAGES if "kernelspec" in front_matter(SOURCES[page])]
+# The pages Sphinx adds, which a reader reaches from every page.
+SITE_PAGES = PAGES + ["genindex", "search"]
 # Terms a reader would type, and the page that must come up: every chapter's own title too.
 SEARCHES = [("grouped-query", "book/mqa-gqa")] if "book/mqa-gqa" in PAGES else []
 SEARCHES += [(title, page) for page in PAGES[1:] if (title := first_heading(SOURCES[page]))]
 RAW_TEX = ("$$", "\\(", "\\)", "\\[", "\\begin{")
 PAGE_TIMEOUT_MS = 20_000
+SCREENSHOT_MAX_HEIGHT = 6000
 
 COLLECT_JS = """async () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
@@ -80,11 +84,20 @@ class Visit:
     page: dict = field(default_factory=dict)
 
 
+@dataclass
+class Site:
+    base: str
+    context: object
+    visits: dict[str, Visit]
+    screenshots: dict[str, Path]
+
+
 def _is_local(url: str, base: str) -> bool:
     return url.startswith(base) or urlsplit(url).scheme in ("data", "blob", "about")
 
 
-def _visit(context, url: str, base: str, collect: str | None = COLLECT_JS, screenshot: Path | None = None) -> Visit:
+def _visit(context, url: str, base: str, screenshot_path: Callable[[dict], Path | None] = lambda shown: None) -> Visit:
+    """Load a page, let MathJax and the images finish, and record what happened."""
     visit = Visit(url)
     page = context.new_page()
     page.on("console", lambda message: message.type == "error" and visit.console_errors.append(
@@ -96,13 +109,25 @@ def _visit(context, url: str, base: str, collect: str | None = COLLECT_JS, scree
     page.on("response", lambda response: response.status >= 400 and visit.failed_requests.append(
         f"{response.url}: HTTP {response.status}"))
     page.goto(url, wait_until="load", timeout=PAGE_TIMEOUT_MS)
-    if collect:
-        visit.page = page.evaluate(collect)
-    page.wait_for_load_state("networkidle", timeout=PAGE_TIMEOUT_MS)
-    if screenshot:
-        page.screenshot(path=str(screenshot), full_page=True)
+    visit.page = page.evaluate(COLLECT_JS)
+    page.wait_for_load_state("networkidle", timeout=PAGE_TIMEOUT_MS)  # the fonts MathJax asked for
+    if path := screenshot_path(visit.page):  # the top: long enough for a chapter's first equations and figure
+        height = min(page.evaluate("document.documentElement.scrollHeight"), SCREENSHOT_MAX_HEIGHT)
+        page.screenshot(path=str(path), full_page=True, clip={"x": 0, "y": 0, "width": 1280, "height": height})
     page.close()
     return visit
+
+
+def _key_page_screenshot(page: str, shown: dict, taken: dict[str, Path]) -> Path | None:
+    """The introduction, and the first chapter that has both math and a figure."""
+    if page == PAGES[0]:
+        name = "intro"
+    elif "chapter" not in taken and shown["typesetMath"] and any("/_images/" in i["src"] for i in shown["images"]):
+        name = "chapter"
+    else:
+        return None
+    taken[name] = ARTIFACTS / f"{name}.png"
+    return taken[name]
 
 
 @pytest.fixture(scope="session")
@@ -120,30 +145,32 @@ def site():
         # A closed network: anything not served by the book's own server is refused, and recorded.
         context.route("**/*", lambda route: route.continue_() if _is_local(route.request.url, base)
                       else route.abort("blockedbyclient"))
-        visits = {page: _visit(context, f"{base}{page}.html", base) for page in PAGES}
-        yield base, context, visits
+        screenshots: dict[str, Path] = {}
+        visits = {page: _visit(context, f"{base}{page}.html", base,
+                               lambda shown, page=page: _key_page_screenshot(page, shown, screenshots))
+                  for page in SITE_PAGES}
+        yield Site(base, context, visits, screenshots)
         browser.close()
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SITE_PAGES)
 def test_page_loads_without_console_errors_or_failed_requests(site, page):
-    visit = site[2][page]
+    visit = site.visits[page]
     assert not visit.console_errors, f"{page}: browser console errors:\n" + "\n".join(visit.console_errors)
     assert not visit.failed_requests, f"{page}: failed requests:\n" + "\n".join(visit.failed_requests)
     # Without an icon of its own, a browser asks the server for a /favicon.ico that is not there.
     assert visit.page["icons"], f"{page} names no favicon"
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SITE_PAGES)
 def test_page_requests_nothing_outside_the_book(site, page):
-    base, _, visits = site
-    outside = [url for url in visits[page].requests if not _is_local(url, base)]
+    outside = [url for url in site.visits[page].requests if not _is_local(url, site.base)]
     assert not outside, f"{page} asks other hosts for:\n" + "\n".join(outside)
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SITE_PAGES)
 def test_math_is_typeset_by_the_books_own_mathjax(site, page):
-    shown = site[2][page].page
+    shown = site.visits[page].page
     assert not shown["untypesetMath"], f"{page}: math left as TeX: {shown['untypesetMath']}"
     assert not shown["mathErrors"], f"{page}: MathJax could not typeset: {shown['mathErrors']}"
     assert not shown["rawTex"], f"{page}: TeX delimiters in the visible text: {shown['rawTex']}"
@@ -151,22 +178,21 @@ def test_math_is_typeset_by_the_books_own_mathjax(site, page):
 
 def test_math_is_typeset_somewhere(site):
     """Guards the test above against a build in which nothing is math."""
-    typeset = {page: visit.page["typesetMath"] for page, visit in site[2].items()}
+    typeset = {page: visit.page["typesetMath"] for page, visit in site.visits.items()}
     assert sum(typeset.values()) > 0, typeset
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SITE_PAGES)
 def test_every_image_loads(site, page):
-    broken = [image["src"] for image in site[2][page].page["images"] if not image["ok"]]
+    broken = [image["src"] for image in site.visits[page].page["images"] if not image["ok"]]
     assert not broken, f"{page}: images that did not load:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SITE_PAGES)
 def test_internal_links_and_anchors_resolve(site, page):
-    base, _, visits = site
-    dead = []
-    for link in sorted(set(visits[page].page["links"] + visits[page].page["icons"])):
-        if not link.startswith(base):
+    shown, dead = site.visits[page].page, []
+    for link in sorted(set(shown["links"] + shown["icons"])):
+        if not link.startswith(site.base):
             continue
         parts = urlsplit(link)
         target = HTML / unquote(parts.path).lstrip("/")
@@ -181,9 +207,8 @@ def test_internal_links_and_anchors_resolve(site, page):
 
 @pytest.mark.parametrize(("term", "page"), SEARCHES)
 def test_search_finds_the_chapter(site, term, page):
-    base, context, _ = site
-    browser_page = context.new_page()
-    browser_page.goto(f"{base}search.html?q={quote(term)}", wait_until="load", timeout=PAGE_TIMEOUT_MS)
+    browser_page = site.context.new_page()
+    browser_page.goto(f"{site.base}search.html?q={quote(term)}", wait_until="load", timeout=PAGE_TIMEOUT_MS)
     # Sphinx's search writes its summary line when it has finished.
     browser_page.wait_for_function("() => document.querySelector('#search-results .search-summary')?.textContent",
                                    timeout=PAGE_TIMEOUT_MS)
@@ -201,7 +226,7 @@ def _colab_url(page: str) -> str:
 
 @pytest.mark.parametrize("page", EXECUTABLE_PAGES)
 def test_colab_button_opens_the_chapters_notebook(site, page):
-    colab_links = {link for link in site[2][page].page["links"] if "colab.research.google.com" in link}
+    colab_links = {link for link in site.visits[page].page["links"] if "colab.research.google.com" in link}
     assert CONFIG["repository"]["url"] == "https://github.com/mha-derived/mha-derived"
     assert colab_links == {_colab_url(page)}, f"{page}: Colab button"
     notebook = BOOK_ROOT / colab_notebook_path(page)
@@ -217,12 +242,8 @@ def test_colab_button_opens_the_chapters_notebook(site, page):
 
 def test_screenshots_of_key_pages(site):
     """Pictures to look at: the introduction, a chapter with math and a figure, and search."""
-    base, context, visits = site
-    figure_and_math = [page for page, visit in visits.items()
-                       if visit.page["typesetMath"] and any("_images/" in i["src"] for i in visit.page["images"])]
-    shots = {"intro": f"{base}{PAGES[0]}.html", "search": f"{base}search.html?q=attention"}
-    if figure_and_math:
-        shots["chapter"] = f"{base}{figure_and_math[0]}.html"
-    for name, url in shots.items():
-        _visit(context, url, base, screenshot=ARTIFACTS / f"{name}.png")
-        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000, name
+    site.screenshots["search"] = ARTIFACTS / "search.png"
+    _visit(site.context, f"{site.base}search.html?q=attention", site.base, lambda shown: site.screenshots["search"])
+    for name, path in site.screenshots.items():
+        assert path.stat().st_size > 10_000, f"{name}: {path} is (nearly) blank"
+    assert {"intro", "search"} <= set(site.screenshots)
