@@ -10,8 +10,8 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 from urllib.parse import quote, unquote, urlsplit
 
 import pytest

@@ -3,9 +3,10 @@
 - Colab opens notebooks, not MyST Markdown: each build writes every executable page as a
   notebook under ``notebooks/`` (committed, so that Colab finds it on GitHub) and points the
   page's Colab launch button at it.
-- Sphinx adds a script registered after the builder started twice (once with filename None,
-  once with ''), so sphinx-thebe's ``const THEBE_JS_URL`` is declared twice and the browser
-  reports a SyntaxError on every page: script tags are de-duplicated.
+- A script that an extension registers after the HTML builder has started reaches the page
+  twice (Sphinx 7 adds it once with filename None, once with ''), so sphinx-thebe's
+  ``const THEBE_JS_URL`` is declared twice and the browser reports a SyntaxError on every
+  page: script tags are de-duplicated.
 - Live code (thebe) is off in ``launch_buttons``, yet sphinx-thebe still ships its scripts,
   stylesheet and a per-page kernel configuration naming a foreign Binder repository: they
   are left out of the pages.
@@ -67,7 +68,9 @@ def write_colab_notebooks(app: Sphinx, exception: Exception | None) -> None:
 
 
 def point_colab_at_notebook(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
-    branch = app.config.html_theme_options.get("repository_branch", "main")
+    if context.get("page_source_suffix") != ".md":
+        return  # a page written as a notebook already opens as itself
+    branch = app.config.html_theme_options.get("repository_branch") or "master"  # the theme's default
     for group in context.get("header_buttons", []):
         for button in group.get("buttons", []) if group.get("label") == "launch-buttons" else []:
             if button.get("text") == "Colab":
