@@ -70,7 +70,8 @@ def not_run(prepared: Prepared, status: str, reason: str, notes: tuple[str, ...]
 
 def write_job(folder: Path, prepared: Prepared, cells: list[extract.Cell], limits: sandbox.Limits) -> None:
     cases = [
-        {"name": case.name, "seconds": case.seconds, "inputs": wire.encode_inputs(inputs, folder, f"input{index}")}
+        {"name": case.name, "seconds": min(case.seconds, limits.case_seconds or case.seconds),
+         "inputs": wire.encode_inputs(inputs, folder, f"input{index}")}
         for index, (case, inputs, _) in enumerate(prepared.cases)
     ]
     wire.write_json(folder / "job.json", {
@@ -110,6 +111,7 @@ def read_outcome(folder: Path, prepared: Prepared, outcome: sandbox.ProcessOutco
         if not isinstance(result, dict) or not isinstance(result.get("cases"), dict):
             raise wire.WireError("result.json is malformed")
         cell_failures = [Failure(*_strings(item, 5)[1:]) for item in _entries(result, "cells")]
+        missing = _strings(_entries(result, "missing"), len(_entries(result, "missing")))
         violations = [forbidden.Violation(*_strings(item, 2)) for item in _entries(result, "violations")]
         running = str(result.get("running"))[:200]
         results = []
@@ -123,7 +125,8 @@ def read_outcome(folder: Path, prepared: Prepared, outcome: sandbox.ProcessOutco
         reason = f"the grading process {ended} without a readable result ({exc})"
         tail = outcome.output_tail.strip()
         return not_run(prepared, CRASHED, reason, (f"its last output:\n{tail}",) if tail else ())
-    notes = tuple(f"{failure.describe()}" for failure in cell_failures)
+    undefined = [f"the notebook defines no {', '.join(f'`{name}`' for name in missing)}"] if missing else []
+    notes = tuple(undefined + [failure.describe() for failure in cell_failures])
     if violations:
         reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
         return Grade(prepared.exercise, NOT_ALLOWED, reason, tuple(results), notes)

@@ -65,7 +65,7 @@ def main(folder: Path) -> None:
     out.mkdir()
     torch.set_num_threads(1)
     signal.signal(signal.SIGALRM, _alarm)
-    result = {"running": None, "cells": [], "cases": {}, "violations": [], "done": False}
+    result = {"running": None, "cells": [], "missing": [], "cases": {}, "violations": [], "done": False}
     tripwire = Tripwire(exercise.not_allowed)
 
     def save(running: str | None) -> None:
@@ -82,6 +82,7 @@ def main(folder: Path) -> None:
             except BaseException as exc:  # as in Jupyter, a failing cell does not stop the next ones
                 failure = cell_failure(exc, number, job["cell_seconds"])
                 result["cells"].append([number, failure.kind, failure.type_name, failure.message, failure.where])
+        result["missing"] = [name for name in exercise.required if name not in namespace]
         for index, case_job in enumerate(job["cases"]):
             name, seconds = case_job["name"], case_job["seconds"]
             save(f"test {name}")

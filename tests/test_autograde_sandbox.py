@@ -1,0 +1,153 @@
+"""Hostile and broken submissions: each loses what could not be graded, and nobody else is affected."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import pytest
+
+from autograde import grade, sandbox, wire
+from tests.fixtures.implementations import MHA_WRONG
+from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
+
+pytestmark = pytest.mark.timeout(600)
+
+LIMITS = sandbox.Limits(wall_seconds=45, cpu_seconds=15, memory_bytes=3 * 2**30, file_bytes=2**20,
+                        cell_seconds=3, case_seconds=3)
+SDPA, CAUSAL = "scaled_dot_product_attention", "causal_mask"
+ENDLESS_LOOP_IGNORING_ALARMS = """
+while True:
+    try:
+        while True:
+            pass
+    except BaseException:
+        pass
+"""
+
+SUBMISSIONS = {
+    # student: (exercise, answers replacing solution cells)
+    "ada": ("sdpa", {}),
+    "lacks-a-function": ("sdpa", {CAUSAL: "# to do\n"}),
+    "syntax-error": ("sdpa", {CAUSAL: "def causal_mask(L, S=None, device=None):\n"
+                                      "    return torch.ones(L, S dtype=torch.bool)\n"}),
+    "exits-at-import": ("sdpa", {SDPA: "import sys\nsys.exit('bye')\n" + answer("sdpa", SDPA)}),
+    "ends-its-process": ("sdpa", {SDPA: "import os\nos._exit(3)\n" + answer("sdpa", SDPA)}),
+    "loops-at-import": ("sdpa", {CAUSAL: "while True:\n    pass\n" + answer("sdpa", CAUSAL)}),
+    "loops-in-a-function": ("sdpa", {CAUSAL: "def causal_mask(L, S=None, device=None):\n"
+                                             "    while True:\n        pass\n"}),
+    "ignores-alarms": ("sdpa", {SDPA: ENDLESS_LOOP_IGNORING_ALARMS + answer("sdpa", SDPA)}),
+    "hogs-memory-and-disk": ("sdpa", {
+        SDPA: answer("sdpa", SDPA) + "\nimport mmap\nmmap.mmap(-1, 4 * 2**30)\n",
+        CAUSAL: answer("sdpa", CAUSAL) + "\nopen('big.bin', 'wb').write(b'x' * 2**21)\n"}),
+    "hides-torch-sdpa": ("mha", next(v for v in MHA_WRONG if v.name == "hides-torch-sdpa-behind-getattr").answers),
+}
+
+
+@pytest.fixture(scope="module")
+def grades(tmp_path_factory) -> dict[str, grade.Grade]:
+    submitted = tmp_path_factory.mktemp("hostile")
+    for student, (exercise_id, answers) in SUBMISSIONS.items():
+        write(learner_notebook(exercise_id, answers), submitted / student / "attention" / f"{exercise_id}.ipynb")
+    rows = grade.grade_all(submitted, SEED, jobs=2, limits=LIMITS, progress=False)
+    mine = {student: exercise_id for student, (exercise_id, _) in SUBMISSIONS.items()}
+    return {student: g for student, g in rows if g.exercise.id == mine[student]}
+
+
+def test_others_are_unaffected(grades):
+    assert (grades["ada"].status, grades["ada"].score) == (grade.GRADED, 10)
+
+
+def test_a_missing_function_loses_its_tests_only(grades):
+    result = grades["lacks-a-function"]
+    assert (result.status, result.score) == (grade.GRADED, 8)
+    assert result.reason == "the notebook defines no `causal_mask`; " \
+                            "failed: causal-mask-square, causal-mask-rectangular, causal-mask-random"
+
+
+def test_a_syntax_error_is_located(grades):
+    result = grades["syntax-error"]
+    assert result.score == 8
+    assert result.notes[0] == "the notebook defines no `causal_mask`"
+    assert result.notes[1].startswith("SyntaxError: ")
+    assert result.notes[1].endswith("line 2: `return torch.ones(L, S dtype=torch.bool)`")
+
+
+def test_sys_exit_at_import_stops_that_cell_only(grades):
+    result = grades["exits-at-import"]
+    assert (result.status, result.score) == (grade.GRADED, 2)  # the causal mask, in another cell, counts
+    assert result.notes[0] == "the notebook defines no `scaled_dot_product_attention`"
+    assert result.notes[1].startswith("SystemExit: bye, at cell ")
+    assert result.notes[1].endswith("line 2: `sys.exit('bye')`")
+
+
+def test_a_process_that_ends_itself_loses_what_did_not_run(grades):
+    result = grades["ends-its-process"]
+    assert (result.status, result.score) == (grade.INCOMPLETE, 0)
+    assert result.reason.startswith("the grading process exited with status 3 during cell ")
+    assert result.results[0].problems[0].startswith("not run: the grading process exited with status 3")
+
+
+def test_an_endless_loop_at_import_is_stopped_and_reported(grades):
+    result = grades["loops-at-import"]
+    assert result.score == 8
+    assert result.notes[1].endswith("was stopped after 3 s")
+
+
+def test_an_endless_loop_in_a_function_fails_its_tests(grades):
+    result = grades["loops-in-a-function"]
+    assert result.score == 8
+    causal = [r for r in result.results if r.name.startswith("causal-mask")]
+    assert all(r.problems == ("stopped after 3 s (an endless loop?)",) for r in causal)
+
+
+def test_a_loop_that_ignores_alarms_is_killed_at_a_time_limit(grades):
+    result = grades["ignores-alarms"]
+    assert (result.status, result.score) == (grade.INCOMPLETE, 0)
+    assert "time limit" in result.reason
+
+
+def test_memory_and_file_size_are_limited(grades):
+    result = grades["hogs-memory-and-disk"]
+    assert result.score == 10
+    assert any("Cannot allocate memory" in note for note in result.notes)
+    assert any("File too large" in note for note in result.notes)
+
+
+def test_a_not_allowed_call_hidden_from_the_scan_trips_the_wire(grades):
+    result = grades["hides-torch-sdpa"]
+    assert (result.status, result.score) == (grade.NOT_ALLOWED, 0)
+    assert result.reason.startswith("uses torch.nn.functional.scaled_dot_product_attention (cell ")
+    assert "`out = fused(q, k, v, attn_mask=mask)`" in result.reason
+
+
+REPORT_THE_PROCESS = """
+import json, os, resource, sys
+limits = {name: resource.getrlimit(getattr(resource, name))[0]
+          for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC")}
+json.dump({"environment": dict(os.environ), "cwd": os.getcwd(), "isolated": sys.flags.isolated,
+           "session": os.getsid(0), "pid": os.getpid(), "limits": limits}, open("facts.json", "w"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("AUTOGRADE_SEED", "12345")
+    monkeypatch.setenv("INSTRUCTOR_TOKEN", "secret")
+    wire.write_json(tmp_path / "job.json", {"exercise": "sdpa", "cell_seconds": 10,
+                                            "cells": [[1, REPORT_THE_PROCESS]], "cases": []})
+    outcome = sandbox.run_worker(tmp_path, LIMITS)
+    assert outcome.returncode == 0, outcome.output_tail
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    assert not {"AUTOGRADE_SEED", "INSTRUCTOR_TOKEN"} & set(facts["environment"])
+    assert facts["environment"]["HOME"] == str(tmp_path)
+    assert facts["cwd"] == str(tmp_path)
+    assert facts["isolated"] == 1
+    assert facts["session"] == facts["pid"] != os.getsid(0)
+    assert facts["limits"]["RLIMIT_CPU"] == LIMITS.cpu_seconds
+    assert facts["limits"]["RLIMIT_AS"] == LIMITS.memory_bytes
+    assert facts["limits"]["RLIMIT_FSIZE"] == LIMITS.file_bytes
+    assert facts["limits"]["RLIMIT_NOFILE"] == LIMITS.open_files
+    assert facts["limits"]["RLIMIT_NPROC"] < resource.getrlimit(resource.RLIMIT_NPROC)[0]

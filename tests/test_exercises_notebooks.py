@@ -1,0 +1,105 @@
+"""The exercise notebooks: one source in solutions/, the release in exercises/ generated from it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograde import exercises, release
+from tests.fixtures.notebooks import ROOT, grade_id, is_solution_cell
+
+pytestmark = pytest.mark.timeout(300)
+
+EXERCISES = list(exercises.EXERCISES.values())
+BOOK_PAGES = {"sdpa": {"attention-as-soft-lookup", "worked-example"},
+              "mha": {"multi-head-attention", "pytorch-multiheadattention"}}
+HIDDEN = re.compile(r"### BEGIN HIDDEN TESTS\n(.*)\n### END HIDDEN TESTS", re.S)
+VOLATILE_METADATA = {"execution", "collapsed", "scrolled", "trusted"}
+
+
+def source_notebook(exercise) -> nbformat.NotebookNode:
+    return nbformat.read(ROOT / "solutions" / exercise.notebook, as_version=4)
+
+
+def nbgrader_meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_the_first_cell_sets_up_locally_and_on_colab(exercise):
+    first = source_notebook(exercise).cells[0]
+    assert first.cell_type == "code" and nbgrader_meta(first)["locked"]
+    for needed in ('"google.colab" in sys.modules', 'COURSE_REPOSITORY = "https://github.com/mha-derived/mha-derived"',
+                   '"git", "clone"', "sys.path.insert(0,", "torch.manual_seed(", "torch.cuda.is_available()"):
+        assert needed in first.source
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_each_test_case_has_one_nbgrader_test_cell_with_its_points(exercise):
+    test_cells = [c for c in source_notebook(exercise).cells if nbgrader_meta(c).get("grade")]
+    assert [grade_id(c) for c in test_cells] == [f"test-{case.name}" for case in exercise.cases]
+    for cell, case in zip(test_cells, exercise.cases):
+        call = f'run("{exercise.id}", "{case.name}", globals())'
+        assert nbgrader_meta(cell)["points"] == case.points and nbgrader_meta(cell)["locked"]
+        hidden = HIDDEN.search(cell.source)
+        assert (hidden is not None and hidden.group(1) == call) if not case.visible else call in cell.source
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_the_solution_cells_define_what_the_contract_asks(exercise):
+    cells = [c for c in source_notebook(exercise).cells if is_solution_cell(c)]
+    assert all("### BEGIN SOLUTION" in c.source and "### END SOLUTION" in c.source for c in cells)
+    defined = {node.name for c in cells for node in ast.parse(c.source).body
+               if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert set(exercise.required) <= defined
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_the_notebook_explains_links_the_book_and_checks(exercise):
+    notebook = source_notebook(exercise)
+    prose = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    assert "$$" in prose and "Hint" in prose
+    linked = set(re.findall(r"https://mha-derived\.github\.io/mha-derived/book/([a-z0-9-]+)\.html", prose))
+    assert linked == BOOK_PAGES[exercise.id]
+    assert all((ROOT / "book" / f"{page}.md").exists() for page in linked)
+    assert any(f'check("{exercise.id}")' in c.source and grade_id(c).startswith("check")
+               for c in notebook.cells if c.cell_type == "code")
+    assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
+
+
+def test_the_mha_notebook_does_not_import_another_notebook():
+    code = "\n".join(c.source for c in source_notebook(exercises.get("mha")).cells if c.cell_type == "code")
+    assert not re.search(r"import sdpa|from sdpa|%run|import_ipynb|\.ipynb", code)
+
+
+def comparable(notebook: nbformat.NotebookNode) -> list:
+    return [(cell.cell_type, cell.source, {k: v for k, v in cell.metadata.items() if k not in VOLATILE_METADATA})
+            for cell in notebook.cells]
+
+
+def test_the_exercises_are_generated_from_the_solutions(tmp_path: Path):
+    """Fails when exercises/ is stale: run `python -m autograde release` (`make exercises`)."""
+    release.release(exercises=tmp_path)
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.ipynb"))
+    committed = sorted(p.relative_to(ROOT / "exercises") for p in (ROOT / "exercises").rglob("*.ipynb"))
+    assert fresh == committed == sorted(Path(e.notebook) for e in EXERCISES)
+    for path in fresh:
+        generated = nbformat.read(tmp_path / path, as_version=4)
+        on_disk = nbformat.read(ROOT / "exercises" / path, as_version=4)
+        assert comparable(generated) == comparable(on_disk), f"exercises/{path} is stale"
+
+
+def test_the_release_hides_solutions_and_hidden_tests():
+    for exercise in EXERCISES:
+        released = nbformat.read(ROOT / "exercises" / exercise.notebook, as_version=4)
+        text = "\n".join(c.source for c in released.cells)
+        assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+        code = "\n".join(c.source for c in released.cells if c.cell_type == "code")
+        regions = "\n".join(c.source for c in source_notebook(exercise).cells).count("### BEGIN SOLUTION")
+        assert code.count("raise NotImplementedError()") == regions
+        hidden = [case.name for case in exercise.cases if not case.visible]
+        assert not any(f'"{name}", globals())' in text for name in hidden)
