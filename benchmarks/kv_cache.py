@@ -85,6 +85,9 @@ def machine_description():
         "caches (per instance)": ", ".join(caches) or "unknown",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        # Other processes on the machine: with a load above the core count, multithreaded
+        # steps wait for descheduled threads and the timings stop measuring the attention.
+        "load average (1 min)": f"{os.getloadavg()[0]:.2f}",
     }
 
 
