@@ -6,9 +6,9 @@ Adding an exercise: write `autograde/exercises/<id>.py` and list it in `_MODULES
 from __future__ import annotations
 
 from autograde.cases import Exercise
-from autograde.exercises import mha, sdpa
+from autograde.exercises import gqa, kv_cache, mha, sdpa
 
-_MODULES = (sdpa, mha)
+_MODULES = (sdpa, mha, gqa, kv_cache)
 EXERCISES: dict[str, Exercise] = {module.EXERCISE.id: module.EXERCISE for module in _MODULES}
 
 

@@ -1,0 +1,240 @@
+"""`gqa`: repeat_kv, the GroupedQueryAttention module, converting MHA weights to GQA, the size of a KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
+from autograde.exercises.mha import PROJECTIONS, describe_layer
+from autograde.exercises.sdpa import bottom_right_causal, random_mask
+from autograde.observe import ContractError, raised
+
+REPEAT, MODULE, CONVERT, BYTES = "repeat_kv", "GroupedQueryAttention", "mha_to_gqa", "kv_cache_bytes"
+# Pairs (num_heads, num_kv_heads) with 1 < num_kv_heads < num_heads: neither MHA nor MQA.
+GROUPED = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4), (12, 4)]
+# (num_layers, num_kv_heads, head_dim) of LLaMA-2 7B (MHA), LLaMA-2 70B (GQA-8) and PaLM 540B (MQA).
+REAL_MODELS = [(32, 32, 128), (80, 8, 128), (118, 1, 256)]
+
+
+def projection_shapes(d_model: int, num_heads: int, num_kv_heads: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of GroupedQueryAttention."""
+    kv_width = num_kv_heads * (d_model // num_heads)
+    return {"q_proj": (d_model, d_model), "k_proj": (d_model, kv_width),
+            "v_proj": (d_model, kv_width), "o_proj": (d_model, d_model)}
+
+
+def linear_text(in_features: int, out_features: int, bias: bool) -> str:
+    return f"nn.Linear({in_features}, {out_features}, bias={bias})"
+
+
+def projection_weights(draw: Draw, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, dtype) -> dict:
+    """Seeded weights (and biases) of the four projections, keyed as in a state dict."""
+    values = {}
+    for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items():
+        values[f"{name}.weight"] = draw.normal(out_features, in_features, dtype=dtype, scale=in_features ** -0.5)
+        if bias:
+            values[f"{name}.bias"] = draw.normal(out_features, dtype=dtype, scale=in_features ** -0.5)
+    return values
+
+
+def module_inputs(x: torch.Tensor, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, weights: dict) -> dict:
+    return {"x": x, "d_model": d_model, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "bias": bias,
+            **weights}
+
+
+# Probes.
+
+def repeats(functions, inputs: Inputs) -> dict:
+    return {f"repeat_kv({name} of shape {tuple(inputs[name].shape)}, {n_rep})": functions.repeat_kv(inputs[name], n_rep)
+            for name, n_rep in inputs["calls"]}
+
+
+def structure(functions, inputs: Inputs) -> dict:
+    d_model, num_heads, num_kv_heads = inputs["d_model"], inputs["num_heads"], inputs["num_kv_heads"]
+    outputs = {}
+    for bias in (True, False):
+        module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
+        call = f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}, bias={bias})"
+        outputs[f"{call} is an nn.Module"] = isinstance(module, nn.Module)
+        for name in PROJECTIONS:
+            outputs[f"{call}.{name}"] = describe_layer(getattr(module, name, None))
+        for attribute in ("num_heads", "num_kv_heads", "head_dim"):
+            outputs[f"{call}.{attribute}"] = getattr(module, attribute, None)
+    return outputs
+
+
+def value_errors(functions, inputs: Inputs) -> dict:
+    return {f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}) raises":
+            raised(ValueError, functions.GroupedQueryAttention, d_model, num_heads, num_kv_heads)
+            for d_model, num_heads, num_kv_heads in inputs["calls"]}
+
+
+def build_module(functions, inputs: Inputs) -> nn.Module:
+    """The learner's module, holding the case's weights, in the dtype of `x`."""
+    d_model, num_heads, num_kv_heads, bias = (inputs[k] for k in ("d_model", "num_heads", "num_kv_heads", "bias"))
+    module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
+    if not isinstance(module, nn.Module):
+        raise ContractError(f"GroupedQueryAttention(...) should be an nn.Module; it is {type(module).__name__}")
+    module = module.to(inputs["x"].dtype)
+    for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items():
+        layer, expected = getattr(module, name, None), linear_text(in_features, out_features, bias)
+        if describe_layer(layer) != expected:
+            raise ContractError(f"GroupedQueryAttention.{name} should be {expected}; it is {describe_layer(layer)}")
+        with torch.no_grad():
+            layer.weight.copy_(inputs[f"{name}.weight"])
+            if bias:
+                layer.bias.copy_(inputs[f"{name}.bias"])
+    return module
+
+
+def attention(functions, inputs: Inputs) -> dict:
+    module = build_module(functions, inputs)
+    mask = inputs.get("mask")
+    return {"out": module(inputs["x"]) if mask is None else module(inputs["x"], mask=mask)}
+
+
+def converted(functions, inputs: Inputs) -> dict:
+    num_heads = inputs["num_heads"]
+    state_dict = {name: value for name, value in inputs.values.items() if name.endswith(("weight", "bias"))}
+    outputs = {}
+    for num_kv_heads in inputs["num_kv_heads"]:
+        call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
+        result = functions.mha_to_gqa(dict(state_dict), num_heads, num_kv_heads)
+        if not isinstance(result, Mapping):
+            raise ContractError(f"{call} should return a dict; it returned a {type(result).__name__}")
+        outputs[f"{call}.keys()"] = ", ".join(sorted(map(str, result)))
+        for name in state_dict:
+            outputs[f"{call}[{name!r}]"] = result.get(name)
+    return outputs
+
+
+def cache_sizes(functions, inputs: Inputs) -> dict:
+    outputs = {}
+    for args, bytes_per_element in inputs["calls"]:
+        keyword = {} if bytes_per_element is None else {"bytes_per_element": bytes_per_element}
+        shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in keyword.items())])
+        outputs[f"kv_cache_bytes({shown})"] = functions.kv_cache_bytes(*args, **keyword)
+    return outputs
+
+
+# Visible cases.
+
+def repeat_inputs(draw: Draw) -> Inputs:
+    return Inputs({"x": draw.normal(2, 3, 4, 5), "one_head": draw.normal(1, 1, 3, 2),
+                   "calls": [("x", 1), ("x", 2), ("x", 4), ("one_head", 3)]},
+                  "x has 3 key/value heads, one_head has 1")
+
+
+def structure_inputs(draw: Draw) -> Inputs:
+    return Inputs({"d_model": 16, "num_heads": 4, "num_kv_heads": 2})
+
+
+def value_error_inputs(draw: Draw) -> Inputs:
+    return Inputs({"calls": [(10, 4, 2), (16, 4, 3), (16, 4, 8), (16, 4, 1), (16, 4, 4)]},
+                  "d_model % num_heads or num_heads % num_kv_heads not 0 raises; MQA and MHA do not")
+
+
+def grouped_inputs(draw: Draw) -> Inputs:
+    dtype = torch.float64
+    values = module_inputs(draw.normal(2, 5, 16, dtype=dtype), 16, 4, 2, True,
+                           projection_weights(draw, 16, 4, 2, True, dtype))
+    values["mask"] = bottom_right_causal(5, 5)
+    return Inputs(values, "4 query heads in 2 groups, given projection weights, causal mask")
+
+
+def mha_state_dict(draw: Draw, d_model: int, bias: bool, dtype) -> dict:
+    """The state dict of an MHA layer (num_kv_heads == num_heads)."""
+    return projection_weights(draw, d_model, 1, 1, bias, dtype)
+
+
+def conversion_inputs(draw: Draw) -> Inputs:
+    return Inputs({**mha_state_dict(draw, 16, True, torch.float64), "num_heads": 4, "num_kv_heads": [2, 1]},
+                  "the state dict of an MHA layer with d_model=16, with biases")
+
+
+def cache_bytes_inputs(draw: Draw) -> Inputs:
+    calls = [((*model, 4096, 1), None) for model in REAL_MODELS]
+    calls += [((80, 8, 128, 4096, 8), 4), ((32, 32, 128, 1, 1), 1)]
+    return Inputs({"calls": calls}, "LLaMA-2 7B, LLaMA-2 70B and PaLM 540B; float32 and int8 caches")
+
+
+# Hidden cases.
+
+def multi_query_inputs(draw: Draw) -> Inputs:
+    num_heads = draw.choice([2, 4, 8])
+    d_model, bias, dtype = num_heads * draw.integer(1, 4), draw.choice([True, False]), torch.float32
+    x = draw.normal(draw.integer(1, 3), draw.integer(1, 7), d_model, dtype=dtype)
+    return Inputs(module_inputs(x, d_model, num_heads, 1, bias, projection_weights(draw, d_model, num_heads, 1, bias, dtype)),
+                  "one key/value head (MQA), given projection weights, no mask")
+
+
+def multi_head_inputs(draw: Draw) -> Inputs:
+    num_heads = draw.choice([1, 2, 3, 4])
+    d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
+    B, T = draw.integer(2, 3), draw.integer(2, 7)
+    values = module_inputs(draw.normal(B, T, d_model, dtype=dtype), d_model, num_heads, num_heads, False,
+                           projection_weights(draw, d_model, num_heads, num_heads, False, dtype))
+    values["mask"], note = random_mask(draw, (B, 1, T, T), empty_rows=1)
+    return Inputs(values, f"as many key/value heads as query heads (MHA), no biases, mask with {note}")
+
+
+def grouped_random_inputs(draw: Draw) -> Inputs:
+    num_heads, num_kv_heads = draw.choice(GROUPED)
+    d_model, bias = num_heads * draw.integer(1, 3), draw.choice([True, False])
+    dtype = draw.choice([torch.float32, torch.float64])
+    B, T = draw.integer(2, 3), draw.integer(2, 8)
+    values = module_inputs(draw.normal(B, T, d_model, dtype=dtype), d_model, num_heads, num_kv_heads, bias,
+                           projection_weights(draw, d_model, num_heads, num_kv_heads, bias, dtype))
+    values["mask"], note = random_mask(draw, draw.choice([(T, T), (B, num_heads, T, T)]), empty_rows=1)
+    return Inputs(values, f"grouped heads, given projection weights, mask with {note}")
+
+
+def conversion_random_inputs(draw: Draw) -> Inputs:
+    num_heads = draw.choice([4, 6, 8])
+    grouped = draw.choice([g for h, g in GROUPED if h == num_heads])
+    d_model, bias = num_heads * draw.integer(1, 4), draw.choice([True, False])
+    values = mha_state_dict(draw, d_model, bias, draw.choice([torch.float32, torch.float64]))
+    return Inputs({**values, "num_heads": num_heads, "num_kv_heads": [1, grouped, num_heads]},
+                  f"the state dict of an MHA layer with d_model={d_model}, {'with' if bias else 'without'} biases")
+
+
+def cache_bytes_random_inputs(draw: Draw) -> Inputs:
+    calls = [((draw.integer(1, 96), draw.choice([1, 2, 4, 8, 16, 32]), draw.choice([64, 80, 96, 128, 256]),
+               draw.integer(1, 2**17), draw.integer(1, 64)), bytes_per_element)
+             for bytes_per_element in (None, 1, 2, 4)]
+    return Inputs({"calls": calls}, "random configurations and element sizes")
+
+
+EXERCISE = Exercise(
+    id="gqa",
+    assignment="gqa",
+    title="Multi-query and grouped-query attention",
+    required=(REPEAT, MODULE, CONVERT, BYTES),
+    not_allowed=NOT_ALLOWED_ATTENTION,
+    cases=(
+        Case("repeat-kv", 1.0, True, "output head j is input head j // n_rep", (REPEAT,), repeat_inputs, repeats),
+        Case("module-structure", 1.0, True, "projections of the contract's shapes, num_heads, num_kv_heads, head_dim",
+             (MODULE,), structure_inputs, structure),
+        Case("value-errors", 0.5, True, "ValueError when d_model % num_heads or num_heads % num_kv_heads is not 0",
+             (MODULE,), value_error_inputs, value_errors),
+        Case("grouped-attention", 1.5, True, "outputs of grouped-query self-attention with a causal mask",
+             (MODULE,), grouped_inputs, attention),
+        Case("mha-to-gqa", 1.0, True, "K and V heads mean-pooled per group, weights and biases; Q and O copied",
+             (CONVERT,), conversion_inputs, converted),
+        Case("kv-cache-bytes", 0.5, True, "the cache of real models, in bytes", (BYTES,), cache_bytes_inputs,
+             cache_sizes),
+        Case("multi-query", 1.0, False, "one key/value head for every query head", (MODULE,),
+             multi_query_inputs, attention),
+        Case("multi-head", 1.0, False, "num_kv_heads == num_heads is multi-head attention", (MODULE,),
+             multi_head_inputs, attention),
+        Case("grouped-random", 1.0, False, "random groupings, dtypes and masks", (MODULE,), grouped_random_inputs,
+             attention),
+        Case("mha-to-gqa-random", 1.0, False, "conversions to MQA, GQA and MHA", (CONVERT,),
+             conversion_random_inputs, converted),
+        Case("kv-cache-bytes-random", 0.5, False, "random configurations and bytes per element", (BYTES,),
+             cache_bytes_random_inputs, cache_sizes),
+    ),
+)

@@ -1,0 +1,174 @@
+"""`kv_cache`: one decoding step of grouped-query attention with a key/value cache.
+
+The step is given a module built here, in the probe, from the case's weights (plain
+`nn.Linear` layers and ints, laid out as in the course's GroupedQueryAttention), so that this
+exercise does not depend on the learner's answer to `gqa`, and no other code enters the worker.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
+from autograde.exercises.gqa import GROUPED, projection_shapes, projection_weights
+from autograde.observe import ContractError, kind_of, pair
+
+STEP = "gqa_decode_step"
+
+
+def given_module(inputs: Inputs) -> SimpleNamespace:
+    """q_proj, k_proj, v_proj, o_proj holding the case's weights, and the ints num_heads, num_kv_heads, head_dim."""
+    d_model, num_heads, num_kv_heads, bias = (inputs[k] for k in ("d_model", "num_heads", "num_kv_heads", "bias"))
+    layers = {}
+    for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items():
+        weight = inputs[f"{name}.weight"]
+        layer = nn.Linear(in_features, out_features, bias=bias, dtype=weight.dtype).requires_grad_(False)
+        layer.weight.copy_(weight)
+        if bias:
+            layer.bias.copy_(inputs[f"{name}.bias"])
+        layers[name] = layer
+    return SimpleNamespace(**layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=d_model // num_heads)
+
+
+def checked_tensor(value, call: str, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """`value` if it is a tensor of `shape`; else the learner is told what the step returned."""
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(f"{call} returned {what} that is {kind_of(value)}, not a tensor")
+    if tuple(value.shape) != shape:
+        raise ContractError(f"{call} returned {what} of shape {tuple(value.shape)}; expected {shape}")
+    return value
+
+
+def decode(functions, inputs: Inputs) -> dict:
+    """Feed `x` through the step in each chunking; the outputs joined, the cache after each step and at the end."""
+    module, x = given_module(inputs), inputs["x"]
+    batch, _, d_model = x.shape
+    given = (inputs["cache_k"], inputs["cache_v"]) if "cache_k" in inputs.values else None
+    cached = 0 if given is None else given[0].shape[2]
+    outputs = {}
+    for sizes in inputs["chunkings"]:
+        label, cache, start, pieces = f"chunks {'+'.join(map(str, sizes))}", given, 0, []
+        for size in sizes:
+            call = f"gqa_decode_step(module, x[:, {start}:{start + size}], cache)"
+            out, cache = pair(functions.gqa_decode_step(module, x[:, start:start + size], cache), call,
+                              "(out, (k, v))")
+            if not (isinstance(cache, (tuple, list)) and len(cache) == 2):
+                raise ContractError(f"{call} should return the cache as a pair (k, v); it returned {kind_of(cache)}")
+            pieces.append(checked_tensor(out, call, "out", (batch, size, d_model)))
+            start += size
+            for tensor in cache:  # the cache grows by the new tokens at every step
+                checked_tensor(tensor, call, "a cache tensor",
+                               (batch, module.num_kv_heads, cached + start, module.head_dim))
+        outputs[f"{label}: out"] = torch.cat(pieces, dim=1)
+        outputs[f"{label}: cache k"], outputs[f"{label}: cache v"] = cache
+    return outputs
+
+
+def decoding_inputs(draw: Draw, B: int, length: int, d_model: int, num_heads: int, num_kv_heads: int, bias: bool,
+                    dtype, chunkings: list[list[int]], cached: int | None = None) -> dict:
+    """The sequence `x`, optionally a cache of `cached` earlier tokens, the chunkings and the weights."""
+    assert all(sum(sizes) == length for sizes in chunkings)
+    values = {"x": draw.normal(B, length, d_model, dtype=dtype)}
+    if cached is not None:
+        head_dim = d_model // num_heads
+        values["cache_k"] = draw.normal(B, num_kv_heads, cached, head_dim, dtype=dtype)
+        values["cache_v"] = draw.normal(B, num_kv_heads, cached, head_dim, dtype=dtype)
+    return {**values, "d_model": d_model, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "bias": bias,
+            "chunkings": chunkings, **projection_weights(draw, d_model, num_heads, num_kv_heads, bias, dtype)}
+
+
+def ragged(draw: Draw, length: int) -> list[int]:
+    """Random chunk sizes summing to `length`, with at least one chunk of 2 or more after the first."""
+    first = draw.integer(1, length - 3)
+    second = draw.integer(2, length - first - 1)
+    sizes = [first, second]
+    while sum(sizes) < length:
+        sizes.append(draw.integer(1, min(4, length - sum(sizes))))
+    return sizes
+
+
+# Visible cases.
+
+def whole_prompt_inputs(draw: Draw) -> Inputs:
+    return Inputs(decoding_inputs(draw, 2, 5, 16, 4, 2, True, torch.float64, [[5]]),
+                  "the whole prompt in one step, starting from no cache (t = 0)")
+
+
+def token_by_token_inputs(draw: Draw) -> Inputs:
+    return Inputs(decoding_inputs(draw, 2, 6, 16, 4, 2, True, torch.float64, [[1] * 6]),
+                  "one token per step, starting from no cache")
+
+
+def chunked_inputs(draw: Draw) -> Inputs:
+    return Inputs(decoding_inputs(draw, 2, 7, 16, 4, 2, True, torch.float64, [[3, 4], [2, 3, 2], [4, 1, 2]]),
+                  "the same sequence in three chunkings, chunks of several tokens after a cache")
+
+
+def given_cache_inputs(draw: Draw) -> Inputs:
+    return Inputs(decoding_inputs(draw, 2, 3, 12, 6, 3, False, torch.float32, [[3]], cached=4),
+                  "3 new tokens after a given cache of 4 tokens, no biases")
+
+
+# Hidden cases.
+
+def multi_query_inputs(draw: Draw) -> Inputs:
+    num_heads = draw.choice([2, 4, 8])
+    length = draw.integer(6, 10)
+    prefill = draw.integer(2, length - 2)
+    return Inputs(decoding_inputs(draw, draw.integer(1, 3), length, num_heads * draw.integer(2, 4), num_heads, 1,
+                                  draw.choice([True, False]), torch.float32,
+                                  [[prefill] + [1] * (length - prefill), ragged(draw, length)]),
+                  "one key/value head (MQA): a prefill then single tokens, and ragged chunks")
+
+
+def multi_head_inputs(draw: Draw) -> Inputs:
+    num_heads, length = draw.choice([1, 2, 4]), draw.integer(6, 10)
+    return Inputs(decoding_inputs(draw, draw.integer(2, 3), length, num_heads * draw.integer(2, 4), num_heads,
+                                  num_heads, False, torch.float64, [ragged(draw, length), [1] * length], cached=0),
+                  "as many key/value heads as query heads (MHA), no biases, starting from an empty cache")
+
+
+def ragged_inputs(draw: Draw) -> Inputs:
+    num_heads, num_kv_heads = draw.choice(GROUPED)
+    length = draw.integer(6, 12)
+    return Inputs(decoding_inputs(draw, draw.integer(1, 3), length, num_heads * draw.integer(1, 3), num_heads,
+                                  num_kv_heads, draw.choice([True, False]),
+                                  draw.choice([torch.float32, torch.float64]),
+                                  [ragged(draw, length), ragged(draw, length)]),
+                  "grouped heads, two random chunkings")
+
+
+def long_decode_inputs(draw: Draw) -> Inputs:
+    prefill, steps = draw.integer(4, 8), draw.integer(12, 16)
+    return Inputs(decoding_inputs(draw, 2, prefill + steps, 32, 8, 2, True, torch.float32,
+                                  [[prefill] + [1] * steps]),
+                  f"a prefill of {prefill} tokens, then {steps} single-token steps")
+
+
+EXERCISE = Exercise(
+    id="kv_cache",
+    assignment="gqa",
+    title="Incremental decoding with a KV cache",
+    required=(STEP,),
+    not_allowed=NOT_ALLOWED_ATTENTION,
+    cases=(
+        Case("whole-prompt", 1.0, True, "the first step (no cache) is causal self-attention", (STEP,),
+             whole_prompt_inputs, decode),
+        Case("token-by-token", 1.5, True, "single-token steps reproduce causal attention over the sequence", (STEP,),
+             token_by_token_inputs, decode),
+        Case("chunked-prefill", 1.5, True, "every chunking gives the same outputs and cache", (STEP,),
+             chunked_inputs, decode),
+        Case("given-cache", 1.0, True, "new tokens attend to the given cache, which grows at its end", (STEP,),
+             given_cache_inputs, decode),
+        Case("multi-query-decoding", 1.0, False, "decoding with one key/value head", (STEP,),
+             multi_query_inputs, decode),
+        Case("multi-head-decoding", 1.0, False, "decoding with as many key/value heads as query heads", (STEP,),
+             multi_head_inputs, decode),
+        Case("ragged-chunks", 1.5, False, "random chunkings, groupings and dtypes", (STEP,), ragged_inputs, decode),
+        Case("long-decode", 1.5, False, "many single-token steps after a prefill", (STEP,), long_decode_inputs,
+             decode),
+    ),
+)
