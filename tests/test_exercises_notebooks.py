@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from autograde import exercises, release
-from tests.fixtures.notebooks import ROOT, grade_id, is_solution_cell
+from tests.fixtures.notebooks import ROOT, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,6 +69,14 @@ def test_the_notebook_explains_links_the_book_and_checks(exercise):
     assert any(f'check("{exercise.id}")' in c.source and grade_id(c).startswith("check")
                for c in notebook.cells if c.cell_type == "code")
     assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_the_solution_passes_every_test_and_the_release_none(exercise):
+    solved, violations = grade_in_process(exercise.id, learner_notebook(exercise.id))
+    assert failed(solved) == set() and not violations
+    untouched, _ = grade_in_process(exercise.id, learner_notebook(exercise.id, blank=True))
+    assert failed(untouched) == set(untouched)
 
 
 def test_the_mha_notebook_does_not_import_another_notebook():
