@@ -1,0 +1,436 @@
+"""The exercises `gqa` and `kv_cache`: graded end to end, wrong answers caught, right ones in other
+styles accepted, and the references checked against oracles that are not the course's code
+(PyTorch's attention with `enable_gqa=True`, full causal attention, loops over heads, published sizes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import nbformat
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autograde import exercises, grade, reference
+from autograde.cases import build_inputs
+from autograde.exercises.kv_cache import given_module
+from tests.fixtures.implementations import Variant, fs
+from tests.fixtures.notebooks import ROOT, SEED, answer, failed, grade_in_process, learner_notebook
+
+pytestmark = pytest.mark.timeout(120)
+
+GQA = reference.namespace(exercises.get("gqa"))
+KV = reference.namespace(exercises.get("kv_cache"))
+STEP = "gqa_decode_step"
+
+
+# End to end: the instructor's grader, in its sandboxed worker.
+
+@pytest.mark.timeout(300)
+def test_the_solutions_score_full_marks_and_the_release_scores_0(tmp_path: Path):
+    submitted = tmp_path / "submitted"
+    shutil.copytree(ROOT / "solutions" / "gqa", submitted / "ada" / "gqa")
+    shutil.copytree(ROOT / "exercises" / "gqa", submitted / "bert" / "gqa")
+    rows = grade.grade_all(submitted, SEED, jobs=2, assignments=["gqa"], progress=False)
+    scores = {(student, g.exercise.id): (g.status, g.score, g.max_score) for student, g in rows}
+    assert scores == {
+        ("ada", "gqa"): ("graded", 10, 10), ("ada", "kv_cache"): ("graded", 10, 10),
+        ("bert", "gqa"): ("graded", 0, 10), ("bert", "kv_cache"): ("graded", 0, 10),
+    }
+
+
+# Wrong answers lose exactly the tests they break; right answers in other styles pass.
+
+def replaced(exercise_id: str, cell_id: str, *pairs: tuple[str, str]) -> str:
+    """The reference answer of a cell with each `old` replaced by `new` (each must occur)."""
+    source = answer(exercise_id, cell_id)
+    for old, new in pairs:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
+WRONG = [
+    Variant("repeat-instead-of-repeat-interleave", "gqa", {"repeat_kv": replaced(
+        "gqa", "repeat_kv", ("x.repeat_interleave(n_rep, dim=1)", "x.repeat(1, n_rep, 1, 1)"))},
+        fs("repeat-kv", "grouped-attention"), fs("grouped-random")),
+    Variant("first-head-instead-of-mean", "gqa", {"mha_to_gqa": replaced(
+        "gqa", "mha_to_gqa", ("groups.mean(dim=1)", "groups[:, 0]"))},
+        fs("mha-to-gqa"), fs("mha-to-gqa-random")),
+    Variant("biases-not-pooled", "gqa", {"mha_to_gqa": replaced(
+        "gqa", "mha_to_gqa", ('("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")',
+                              '("k_proj.weight", "v_proj.weight")'))},
+        fs("mha-to-gqa"), hidden_may_fail=fs("mha-to-gqa-random")),  # the hidden layer may have no biases
+    Variant("cache-bytes-without-factor-2", "gqa", {"kv_cache_bytes": replaced(
+        "gqa", "kv_cache_bytes", ("return 2 * num_layers", "return num_layers"))},
+        fs("kv-cache-bytes"), fs("kv-cache-bytes-random")),
+    Variant("no-value-error", "gqa", {"GroupedQueryAttention": replaced(
+        "gqa", "GroupedQueryAttention", ("raise ValueError", "pass  # "))},
+        fs("value-errors")),
+    Variant("head-dim-as-float", "gqa", {"GroupedQueryAttention": replaced(
+        "gqa", "GroupedQueryAttention", ("self.head_dim = d_model // num_heads", "self.head_dim = d_model / num_heads"),
+        ("num_kv_heads * self.head_dim", "int(num_kv_heads * self.head_dim)"),
+        ("self.num_heads, self.head_dim)", "self.num_heads, int(self.head_dim))"),
+        ("self.num_kv_heads, self.head_dim)", "self.num_kv_heads, int(self.head_dim))"))},
+        fs("module-structure")),
+    Variant("top-left-causal-mask", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, ("mask = torch.arange(total, device=x_new.device)[None, :] <= positions",
+                           "mask = torch.ones(n, total, dtype=torch.bool, device=x_new.device).tril()"))},
+        fs("token-by-token", "chunked-prefill", "given-cache"),
+        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+    # Right for one new token (nothing to mask), top-left aligned for a chunk of several after a cache.
+    Variant("top-left-causal-mask-inside-chunks", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, ("mask = torch.arange(total, device=x_new.device)[None, :] <= positions",
+                           "mask = torch.ones(n, total, dtype=torch.bool, device=x_new.device)\n"
+                           "    if n > 1:\n        mask = mask.tril()"))},
+        fs("chunked-prefill", "given-cache"), fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks")),
+    Variant("cache-ignores-earlier-steps", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, ("    if cache is not None:\n", "    new_cache = (k, v)\n    if cache is not None:\n"),
+        ("return out, (k, v)", "return out, new_cache"))},
+        fs("token-by-token", "chunked-prefill", "given-cache"),
+        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+    Variant("attends-to-the-new-tokens-only", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, ("    total = k.shape[2]\n", "    grown = (k, v)\n    k, v = k[:, :, -n:], v[:, :, -n:]\n"
+                                                       "    total = k.shape[2]\n"),
+        ("return out, (k, v)", "return out, grown"))},
+        fs("token-by-token", "chunked-prefill", "given-cache"),
+        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+]
+
+GQA_HEADER = "import math\n\nimport torch\nfrom torch import nn\n\n"
+RIGHT = [
+    Variant("expand-einsum-over-groups-and-loops", "gqa", {
+        "repeat_kv": """
+def repeat_kv(x, n_rep):
+    batch, heads, length, width = x.shape
+    return x[:, :, None].expand(batch, heads, n_rep, length, width).reshape(batch, heads * n_rep, length, width)
+""",
+        "GroupedQueryAttention": GQA_HEADER + """
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, d_model, num_heads, num_kv_heads, bias=True):
+        super().__init__()
+        if d_model % num_heads or num_heads % num_kv_heads:
+            raise ValueError("num_heads must divide d_model and num_kv_heads must divide num_heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, d_model // num_heads
+        kv_width = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.o_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x, mask=None):
+        # Queries grouped as (G, r): no key or value is copied.
+        B, T, _ = x.shape
+        G, r, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, G, r, d)
+        k, v = self.k_proj(x).view(B, T, G, d), self.v_proj(x).view(B, T, G, d)
+        scores = torch.einsum("btgrd,bsgd->bgrts", q, k) / math.sqrt(d)
+        if mask is not None:
+            grouped = torch.broadcast_to(mask, (B, G * r, T, T)).reshape(B, G, r, T, T)
+            scores = scores.masked_fill(~grouped, float("-inf"))
+        weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        return self.o_proj(torch.einsum("bgrts,bsgd->btgrd", weights, v).reshape(B, T, G * r * d))
+""",
+        "mha_to_gqa": """
+def mha_to_gqa(state_dict, num_heads, num_kv_heads):
+    result = dict(state_dict)
+    head_dim = state_dict["q_proj.weight"].shape[1] // num_heads
+    group = num_heads // num_kv_heads
+    for key in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+        if key in state_dict:
+            heads = state_dict[key].split(head_dim)
+            result[key] = torch.cat([sum(heads[g * group:(g + 1) * group]) / group for g in range(num_kv_heads)])
+    return result
+""",
+        "kv_cache_bytes": """
+def kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element=2):
+    return math.prod([2, num_layers, num_kv_heads, head_dim, seq_len, batch_size, bytes_per_element])
+"""}),
+    Variant("einsum-over-groups-and-explicit-softmax", "kv_cache", {STEP: """
+import math
+
+import torch
+
+
+def gqa_decode_step(module, x_new, cache=None):
+    B, n, _ = x_new.shape
+    G, d = module.num_kv_heads, module.head_dim
+    r = module.num_heads // G
+    q = module.q_proj(x_new).view(B, n, G, r, d)
+    k = module.k_proj(x_new).view(B, n, G, d).permute(0, 2, 1, 3)
+    v = module.v_proj(x_new).view(B, n, G, d).permute(0, 2, 1, 3)
+    if cache is not None:
+        k, v = torch.cat((cache[0], k), dim=-2), torch.cat((cache[1], v), dim=-2)
+    t = k.shape[-2] - n
+    scores = torch.einsum("bngrd,bgsd->bgrns", q, k) * d ** -0.5
+    allowed = torch.ones(n, t + n, dtype=torch.bool, device=x_new.device).tril(diagonal=t)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bgrns,bgsd->bngrd", weights, v).reshape(B, n, G * r * d)
+    return module.o_proj(out), (k, v)
+"""}),
+]
+
+
+def variant_id(variant: Variant) -> str:
+    return f"{variant.exercise}-{variant.name}"
+
+
+@pytest.mark.parametrize("variant", WRONG, ids=variant_id)
+def test_a_wrong_answer_fails_exactly_the_tests_it_breaks(variant):
+    results, violations = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
+    assert not violations
+    visible = {name for name in failed(results) if results[name].visible}
+    hidden = failed(results) - visible
+    assert visible == variant.visible_failures
+    assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
+
+
+@pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
+def test_a_right_answer_in_another_style_passes_every_test(variant):
+    results, violations = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
+    assert not violations
+    assert failed(results) == set()
+
+
+def test_torch_attention_with_enable_gqa_is_not_allowed():
+    step = replaced("kv_cache", STEP, ("    heads = torch.softmax(scores, dim=-1) @ values\n",
+                                       "    heads = torch.nn.functional.scaled_dot_product_attention(\n"
+                                       "        q, k, v, attn_mask=mask, enable_gqa=True)\n"))
+    _, violations = grade_in_process("kv_cache", learner_notebook("kv_cache", {STEP: step}))
+    assert {v.name for v in violations} == {"torch.nn.functional.scaled_dot_product_attention"}
+
+
+FEEDBACK = [
+    ("cache-ignores-earlier-steps", "token-by-token",
+     "gqa_decode_step(module, x[:, 1:2], cache) returned a cache tensor of shape (2, 2, 1, 4); expected (2, 2, 2, 4)"),
+    ("top-left-causal-mask-inside-chunks", "chunked-prefill", "`chunks 3+4: out`: max abs error"),
+    ("cache-bytes-without-factor-2", "kv-cache-bytes",
+     "`kv_cache_bytes(32, 32, 128, 4096, 1)`: expected 2147483648, got 1073741824"),
+    ("head-dim-as-float", "module-structure",
+     "`GroupedQueryAttention(16, 4, 2, bias=True).head_dim`: expected 4, got 4.0"),
+]
+
+
+@pytest.mark.parametrize("name, case, message", FEEDBACK, ids=[f[0] for f in FEEDBACK])
+def test_feedback_says_precisely_what_is_wrong(name, case, message):
+    variant = next(v for v in WRONG if v.name == name)
+    results, _ = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
+    assert any(problem.startswith(message) for problem in results[case].problems), results[case].problems
+
+
+def test_the_step_is_given_only_the_attributes_of_the_contract():
+    """A step that calls methods of the learner's own module (not in the contract) fails every test."""
+    step = "def gqa_decode_step(module, x_new, cache=None):\n    return module(x_new), cache\n"
+    results, _ = grade_in_process("kv_cache", learner_notebook("kv_cache", {STEP: step}))
+    assert failed(results) == set(results)
+    exercise = exercises.get("kv_cache")
+    module = given_module(build_inputs(exercise, exercise.case("given-cache"), None))
+    assert sorted(vars(module)) == ["head_dim", "k_proj", "num_heads", "num_kv_heads", "o_proj", "q_proj", "v_proj"]
+    assert (module.k_proj.in_features, module.k_proj.out_features, module.k_proj.bias) == (12, 6, None)
+
+
+# The references against independent oracles.
+
+def seeded_gqa(d_model, num_heads, num_kv_heads, bias, dtype, seed):
+    torch.manual_seed(seed)
+    module = GQA["GroupedQueryAttention"](d_model, num_heads, num_kv_heads, bias=bias).to(dtype)
+    if bias:  # nn.Linear's biases are small; larger ones show a bias applied in the wrong place
+        with torch.no_grad():
+            for layer in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+                layer.bias.normal_()
+    return module
+
+
+def torch_gqa(module, x, mask=None, is_causal=False):
+    """The module's function computed by PyTorch's attention, which maps query heads to key/value heads itself."""
+    B, T, d_model = x.shape
+    q = module.q_proj(x).view(B, T, module.num_heads, -1).transpose(1, 2)
+    k = module.k_proj(x).view(B, T, module.num_kv_heads, -1).transpose(1, 2)
+    v = module.v_proj(x).view(B, T, module.num_kv_heads, -1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    return module.o_proj(out.transpose(1, 2).reshape(B, T, d_model))
+
+
+GQA_CASES = [
+    # d_model, heads, kv heads, bias, batch, T, mask: None, "causal" or "random" (B, H, T, T)
+    (16, 4, 2, True, 2, 5, "causal"),
+    (24, 8, 2, False, 3, 6, "random"),
+    (24, 6, 3, True, 2, 4, None),
+    (16, 4, 4, True, 2, 5, "random"),  # MHA
+    (32, 8, 1, False, 2, 7, "causal"),  # MQA
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("d_model, heads, kv_heads, bias, B, T, mask_kind", GQA_CASES)
+def test_reference_module_agrees_with_torch_sdpa_enable_gqa(d_model, heads, kv_heads, bias, B, T, mask_kind, dtype):
+    module = seeded_gqa(d_model, heads, kv_heads, bias, dtype, seed=heads * 10 + kv_heads)
+    assert (module.num_heads, module.num_kv_heads, module.head_dim) == (heads, kv_heads, d_model // heads)
+    x = torch.randn(B, T, d_model, dtype=dtype)
+    mask = {None: None, "causal": torch.ones(T, T, dtype=torch.bool).tril(),
+            "random": torch.rand(B, heads, T, T) < 0.6}[mask_kind]
+    if mask_kind == "random":
+        mask[..., 0] = True  # no row without a key: PyTorch gives NaN there, the contract 0
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, mask=mask), torch_gqa(module, x, mask))
+
+
+def test_reference_repeat_kv_maps_query_head_i_to_kv_head_i_over_r():
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    for n_rep in (1, 2, 4):
+        expected = x.index_select(1, torch.arange(3 * n_rep) // n_rep)
+        assert torch.equal(GQA["repeat_kv"](x, n_rep), expected)
+
+
+def test_reference_module_raises_value_error_and_has_the_contract_shapes():
+    for bad in ((10, 4, 2), (16, 4, 3), (16, 4, 8)):
+        with pytest.raises(ValueError):
+            GQA["GroupedQueryAttention"](*bad)
+    module = GQA["GroupedQueryAttention"](64, 8, 2, bias=False)
+    shapes = {name: (layer.in_features, layer.out_features, layer.bias is None)
+              for name, layer in module.named_children()}
+    assert shapes == {"q_proj": (64, 64, True), "k_proj": (64, 16, True), "v_proj": (64, 16, True),
+                      "o_proj": (64, 64, True)}
+
+
+def pooled_by_loops(tensor, num_heads, num_kv_heads):
+    """Mean of each group's heads, one head at a time."""
+    head_dim, group = tensor.shape[0] // num_heads, num_heads // num_kv_heads
+    heads = [tensor[i * head_dim:(i + 1) * head_dim] for i in range(num_heads)]
+    return torch.cat([torch.stack(heads[g * group:(g + 1) * group]).mean(dim=0) for g in range(num_kv_heads)])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (8, 1), (6, 3), (4, 4)])
+def test_reference_mha_to_gqa_pools_each_group_and_loads(heads, kv_heads, bias):
+    mha = seeded_gqa(8 * heads, heads, heads, bias, torch.float64, seed=heads)
+    state = mha.state_dict()
+    converted = GQA["mha_to_gqa"](state, heads, kv_heads)
+    assert set(converted) == set(state)
+    for name, tensor in state.items():
+        expected = pooled_by_loops(tensor, heads, kv_heads) if name.startswith(("k_proj", "v_proj")) else tensor
+        torch.testing.assert_close(converted[name], expected, rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(tensor, mha.state_dict()[name]) for name, tensor in state.items())  # left unchanged
+    gqa = GQA["GroupedQueryAttention"](8 * heads, heads, kv_heads, bias=bias).double()
+    gqa.load_state_dict(converted)
+
+
+def test_reference_mha_to_gqa_is_exact_when_the_heads_of_each_group_agree():
+    """Duplicate each group's key and value heads in an MHA layer: the converted GQA layer computes the same."""
+    d_model, heads, kv_heads = 32, 8, 2
+    gqa = seeded_gqa(d_model, heads, kv_heads, True, torch.float64, seed=3)
+    mha = GQA["GroupedQueryAttention"](d_model, heads, heads).double()
+    state = dict(gqa.state_dict())
+    for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+        state[name] = GQA["repeat_kv"](state[name].reshape(1, kv_heads, d_model // heads, -1), heads // kv_heads
+                                       ).reshape(d_model, *state[name].shape[1:])
+    mha.load_state_dict(state)
+    converted = GQA["GroupedQueryAttention"](d_model, heads, kv_heads).double()
+    converted.load_state_dict(GQA["mha_to_gqa"](mha.state_dict(), heads, kv_heads))
+    x = torch.randn(2, 6, d_model, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), mha(x))
+        torch.testing.assert_close(converted(x), gqa(x))
+
+
+def test_reference_kv_cache_bytes_matches_published_sizes():
+    size = GQA["kv_cache_bytes"]
+    assert size(32, 32, 128, 1, 1) == 512 * 2**10  # LLaMA-2 7B: 0.5 MiB per token in float16
+    assert size(80, 8, 128, 1, 1) == 320 * 2**10  # LLaMA-2 70B with 8 key/value heads
+    assert size(32, 32, 128, 4096, 8) == 16 * 2**30
+    assert size(32, 32, 128, 4096, 1, bytes_per_element=4) == 2 * size(32, 32, 128, 4096, 1)
+    assert isinstance(size(1, 1, 1, 1, 1), int)
+
+
+def decode_in_chunks(module, x, sizes, cache=None):
+    outputs, start = [], 0
+    for size in sizes:
+        out, cache = KV[STEP](module, x[:, start:start + size], cache)
+        outputs.append(out)
+        start += size
+    return torch.cat(outputs, dim=1), cache
+
+
+CHUNKINGS = [[12], [1] * 12, [5, 1, 1, 1, 1, 1, 1, 1], [4, 4, 4], [3, 1, 5, 2, 1], [1, 11]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("heads, kv_heads, bias", [(8, 2, True), (4, 4, False), (8, 1, True), (6, 3, False)])
+def test_reference_decoding_in_any_chunking_is_full_causal_attention(heads, kv_heads, bias, dtype):
+    module = seeded_gqa(8 * heads, heads, kv_heads, bias, dtype, seed=heads + kv_heads)
+    given = SimpleNamespace(**{name: getattr(module, name) for name in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")})
+    x = torch.randn(2, 12, 8 * heads, dtype=dtype)
+    with torch.no_grad():
+        full = torch_gqa(module, x, is_causal=True)
+        keys = module.k_proj(x).view(2, 12, kv_heads, 8).transpose(1, 2)
+        values = module.v_proj(x).view(2, 12, kv_heads, 8).transpose(1, 2)
+        for sizes in CHUNKINGS:
+            out, (k, v) = decode_in_chunks(given, x, sizes)
+            assert out.dtype == k.dtype == dtype
+            torch.testing.assert_close(out, full)
+            torch.testing.assert_close(k, keys)
+            torch.testing.assert_close(v, values)
+
+
+def test_reference_step_after_a_given_cache_uses_the_bottom_right_mask():
+    module = seeded_gqa(24, 6, 3, True, torch.float64, seed=5)
+    cache = (torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.randn(2, 3, 4, 4, dtype=torch.float64))
+    x_new = torch.randn(2, 3, 24, dtype=torch.float64)
+    with torch.no_grad():
+        out, (k, v) = KV[STEP](module, x_new, cache)
+        q = module.q_proj(x_new).view(2, 3, 6, 4).transpose(1, 2)
+        assert torch.equal(k[:, :, :4], cache[0]) and torch.equal(v[:, :, :4], cache[1])
+        mask = torch.tensor([[j <= 4 + i for j in range(7)] for i in range(3)])
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out, module.o_proj(expected.transpose(1, 2).reshape(2, 3, 24)))
+
+
+@pytest.mark.parametrize("exercise_id", ["gqa", "kv_cache"])
+def test_the_hidden_inputs_are_valid_for_many_seeds(exercise_id):
+    exercise = exercises.get(exercise_id)
+    for seed in range(40):
+        for case in exercise.cases:
+            inputs = build_inputs(exercise, case, seed)
+            for sizes in inputs.get("chunkings", []):
+                assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
+            if case.name in ("multi-query-decoding", "multi-head-decoding", "ragged-chunks"):
+                # some chunk of several tokens comes after a cache, where the mask's alignment matters
+                assert any(any(n > 1 for n in sizes[1:]) for sizes in inputs["chunkings"])
+
+
+# The notebooks.
+
+def source_notebook(exercise_id: str) -> nbformat.NotebookNode:
+    return nbformat.read(ROOT / "solutions" / exercises.get(exercise_id).notebook, as_version=4)
+
+
+@pytest.mark.parametrize("exercise_id, pages", [("gqa", {"mqa-gqa", "mha-to-gqa", "kv-cache"}),
+                                                ("kv_cache", {"kv-cache", "mqa-gqa"})])
+def test_the_notebooks_link_their_chapters_and_import_no_other_notebook(exercise_id, pages):
+    notebook = source_notebook(exercise_id)
+    prose = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    assert set(re.findall(r"https://mha-derived\.github\.io/mha-derived/book/([a-z0-9-]+)\.html", prose)) == pages
+    code = "\n".join(c.source for c in notebook.cells if c.cell_type == "code")
+    assert not re.search(r"import (sdpa|mha|gqa)|from (sdpa|mha|gqa) |%run|import_ipynb|\.ipynb", code)
+
+
+def test_the_kv_cache_answer_defines_its_own_attention():
+    """One solution cell, which runs alone: it uses nothing from the gqa notebook."""
+    cells = [c for c in source_notebook("kv_cache").cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    assert len(cells) == 1
+    names: dict = {}
+    exec(cells[0].source, names)
+    module = SimpleNamespace(q_proj=nn.Linear(8, 8), k_proj=nn.Linear(8, 4), v_proj=nn.Linear(8, 4),
+                             o_proj=nn.Linear(8, 8), num_heads=4, num_kv_heads=2, head_dim=2)
+    out, (k, v) = names[STEP](module, torch.randn(1, 3, 8))
+    assert out.shape == (1, 3, 8) and k.shape == v.shape == (1, 2, 3, 2)
+    assert math.isfinite(out.abs().sum().item())
