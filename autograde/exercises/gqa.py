@@ -167,7 +167,8 @@ def multi_query_inputs(draw: Draw) -> Inputs:
     num_heads = draw.choice([2, 4, 8])
     d_model, bias, dtype = num_heads * draw.integer(1, 4), draw.choice([True, False]), torch.float32
     x = draw.normal(draw.integer(1, 3), draw.integer(1, 7), d_model, dtype=dtype)
-    return Inputs(module_inputs(x, d_model, num_heads, 1, bias, projection_weights(draw, d_model, num_heads, 1, bias, dtype)),
+    weights = projection_weights(draw, d_model, num_heads, 1, bias, dtype)
+    return Inputs(module_inputs(x, d_model, num_heads, 1, bias, weights),
                   "one key/value head (MQA), given projection weights, no mask")
 
 
