@@ -1,17 +1,18 @@
 """Generate the learner notebooks `exercises/` from `solutions/` with nbgrader itself.
 
 nbgrader's `generate_assignment` runs in a temporary course folder (its `source/` a copy of
-`solutions/`), and its `release/` notebooks replace those in `exercises/`.
+`solutions/`), and its `release/` notebooks replace those in `exercises/`. No gradebook is
+kept: the release needs none, and instructors keep their own.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from nbgrader.apps import NbGraderAPI
+from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
@@ -21,10 +22,14 @@ def assignments(solutions: Path) -> list[str]:
     return sorted(p.name for p in solutions.iterdir() if p.is_dir() and any(p.glob("*.ipynb")))
 
 
-def nbgrader_environment() -> dict[str, str]:
-    """nbgrader runs `alembic` by name: put this interpreter's scripts folder first on PATH."""
-    scripts = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", os.defpath)])}
+def generate(course: Path, assignment: str) -> None:
+    config = Config()
+    config.CourseDirectory.root = str(course)
+    config.GenerateAssignment.no_database = True
+    config.SaveCells.enabled = False
+    result = NbGraderAPI(config=config).generate_assignment(assignment, force=True)
+    if not result["success"]:
+        raise RuntimeError(f"nbgrader could not generate {assignment}: {result['error']}\n{result['log']}")
 
 
 def release(solutions: Path = SOLUTIONS, exercises: Path = EXERCISES) -> list[Path]:
@@ -34,11 +39,7 @@ def release(solutions: Path = SOLUTIONS, exercises: Path = EXERCISES) -> list[Pa
         for assignment in assignments(solutions):
             shutil.copytree(solutions / assignment, course / "source" / assignment,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-            subprocess.run(
-                [sys.executable, "-m", "nbgrader", "generate_assignment", assignment, "--force", "--quiet",
-                 f"--CourseDirectory.root={course}", f"--db=sqlite:///{course / 'gradebook.db'}"],
-                cwd=course, check=True, env=nbgrader_environment(),
-            )
+            generate(course, assignment)
         # Only once every assignment generated: replace what was there, stale assignments included.
         shutil.rmtree(exercises, ignore_errors=True)
         written = []

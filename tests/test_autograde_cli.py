@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from autograde import cli
 from tests.conftest import CLASS_EXPECTED
-from tests.fixtures.notebooks import ROOT, SEED
+from tests.fixtures.notebooks import SEED
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,19 +50,16 @@ def test_feedback_details_visible_tests_and_names_hidden_ones_only(class_grades)
     assert sorted(p.name for p in (class_grades.out / "feedback").iterdir()) == [f"{s}.md" for s in sorted(CLASS_EXPECTED)]
 
 
-def test_one_notebook_gets_a_report_on_the_terminal(class_grades):
+def test_one_notebook_gets_a_report_on_the_terminal(class_grades, capsys):
     notebook = class_grades.submitted / "cleo" / "attention" / "sdpa.ipynb"
-    process = subprocess.run([sys.executable, "-m", "autograde", "grade", str(notebook), "--seed", str(SEED)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert process.returncode == 0, process.stderr
-    assert process.stdout.startswith("sdpa (attention/sdpa.ipynb): 8.5 / 10 points, status graded")
-    assert "FAIL  causal-mask-random (hidden)" in process.stdout
+    assert cli.main(["grade", str(notebook), "--seed", str(SEED)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sdpa (attention/sdpa.ipynb): 8.5 / 10 points, status graded")
+    assert "FAIL  causal-mask-random (hidden)" in out
 
 
-def test_a_notebook_named_after_no_exercise_is_refused(tmp_path):
+def test_a_notebook_named_after_no_exercise_is_refused(tmp_path, capsys):
     notebook = tmp_path / "homework.ipynb"
     notebook.write_text("{}")
-    process = subprocess.run([sys.executable, "-m", "autograde", "grade", str(notebook)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert process.returncode == 2
-    assert "no exercise 'homework'" in process.stderr
+    assert cli.main(["grade", str(notebook)]) == 2
+    assert "no exercise 'homework'" in capsys.readouterr().err

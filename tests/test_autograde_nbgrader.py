@@ -12,11 +12,16 @@ import pytest
 from nbgrader.api import Gradebook
 
 from autograde import exercises
-from autograde.release import nbgrader_environment
 from tests.conftest import NBGRADER_STUDENTS
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def nbgrader_environment() -> dict[str, str]:
+    """nbgrader runs `alembic` by name: this interpreter's scripts folder goes first on PATH."""
+    scripts = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", os.defpath)])}
 
 
 def nbgrader(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,8 +15,8 @@ from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
 pytestmark = pytest.mark.timeout(600)
 
-LIMITS = sandbox.Limits(wall_seconds=45, cpu_seconds=15, memory_bytes=3 * 2**30, file_bytes=2**20,
-                        cell_seconds=3, case_seconds=3)
+LIMITS = sandbox.Limits(wall_seconds=30, cpu_seconds=10, memory_bytes=3 * 2**30, file_bytes=2**20,
+                        cell_seconds=2, case_seconds=2)
 SDPA, CAUSAL = "scaled_dot_product_attention", "causal_mask"
 ENDLESS_LOOP_IGNORING_ALARMS = """
 while True:
@@ -93,14 +93,14 @@ def test_a_process_that_ends_itself_loses_what_did_not_run(grades):
 def test_an_endless_loop_at_import_is_stopped_and_reported(grades):
     result = grades["loops-at-import"]
     assert result.score == 8
-    assert result.notes[1].endswith("was stopped after 3 s")
+    assert result.notes[1].endswith("was stopped after 2 s")
 
 
 def test_an_endless_loop_in_a_function_fails_its_tests(grades):
     result = grades["loops-in-a-function"]
     assert result.score == 8
     causal = [r for r in result.results if r.name.startswith("causal-mask")]
-    assert all(r.problems == ("stopped after 3 s (an endless loop?)",) for r in causal)
+    assert all(r.problems == ("stopped after 2 s (an endless loop?)",) for r in causal)
 
 
 def test_a_loop_that_ignores_alarms_is_killed_at_a_time_limit(grades):
