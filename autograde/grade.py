@@ -28,7 +28,6 @@ GRADED, INCOMPLETE, MISSING, INVALID, NOT_ALLOWED, CRASHED = (
 @dataclass(frozen=True)
 class Prepared:
     exercise: Exercise
-    seed: int
     cases: tuple[tuple[Case, Inputs, dict], ...]  # each case with its inputs and expected observations
 
 
@@ -37,7 +36,7 @@ def prepare(exercise: Exercise, seed: int) -> Prepared:
     for case in exercise.cases:
         inputs = build_inputs(exercise, case, seed)
         cases.append((case, inputs, reference.expected(exercise, case, inputs)))
-    return Prepared(exercise, seed, tuple(cases))
+    return Prepared(exercise, tuple(cases))
 
 
 @dataclass(frozen=True)

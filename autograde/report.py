@@ -45,7 +45,7 @@ def check_text(exercise_id: str, results: list[CaseResult], violations: list[Vio
 def grade_text(grade: Grade, seed: int) -> str:
     """A report on one graded notebook, every test in detail (for the instructor's terminal)."""
     exercise = grade.exercise
-    lines = [f"{exercise.id} ({exercise.notebook}): {points(grade.score)} / {points(grade.max_score)} points, "
+    lines = [f"{exercise.id} ({exercise.notebook}, {exercise.title}): {points(grade.score)} / {points(grade.max_score)} points, "
              f"status {grade.status}", f"hidden tests drawn with seed {seed}"]
     if grade.reason:
         lines.append(f"reason: {grade.reason}")
@@ -79,7 +79,7 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
     for grade in grades:
         exercise = grade.exercise
         lines += [f"## {exercise.id}: {points(grade.score)} / {points(grade.max_score)}", "",
-                  f"Notebook `{exercise.notebook}`, status: {grade.status}.", ""]
+                  f"{exercise.title}, notebook `{exercise.notebook}`, status: {grade.status}.", ""]
         if grade.status != "graded":
             lines += [f"Reason: {grade.reason}.", ""]
         lines += [f"- {note}" for note in grade.notes] + ([""] if grade.notes else [])

@@ -16,7 +16,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -42,7 +41,6 @@ class Limits:
 @dataclass(frozen=True)
 class ProcessOutcome:
     returncode: int | None  # None when it was stopped at the wall-clock limit
-    seconds: float
     output_tail: str
 
     @property
@@ -92,7 +90,6 @@ def scrubbed_environment(folder: Path, extra: Mapping[str, str]) -> dict[str, st
 def run_worker(folder: Path, limits: Limits, extra_env: Mapping[str, str] = {}) -> ProcessOutcome:
     """Run `autograde.worker` in `folder` (which holds its job) and wait for it, or stop it."""
     log = folder / "output.txt"
-    started = time.monotonic()
     with log.open("wb") as output:
         process = subprocess.Popen(
             [sys.executable, "-I", "-c", _START_WORKER, str(ROOT)],
@@ -114,4 +111,4 @@ def run_worker(folder: Path, limits: Limits, extra_env: Mapping[str, str] = {}) 
     with log.open("rb") as output:
         output.seek(max(0, log.stat().st_size - OUTPUT_TAIL))
         tail = output.read().decode("utf-8", "replace")
-    return ProcessOutcome(returncode, time.monotonic() - started, tail)
+    return ProcessOutcome(returncode, tail)

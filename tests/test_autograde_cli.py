@@ -54,7 +54,7 @@ def test_one_notebook_gets_a_report_on_the_terminal(class_grades, capsys):
     notebook = class_grades.submitted / "cleo" / "attention" / "sdpa.ipynb"
     assert cli.main(["grade", str(notebook), "--seed", str(SEED)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("sdpa (attention/sdpa.ipynb): 8.5 / 10 points, status graded")
+    assert out.startswith("sdpa (attention/sdpa.ipynb, Scaled dot-product attention): 8.5 / 10 points, status graded")
     assert "FAIL  causal-mask-random (hidden)" in out
 
 
