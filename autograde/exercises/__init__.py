@@ -17,8 +17,3 @@ def get(exercise_id: str) -> Exercise:
         return EXERCISES[exercise_id]
     except KeyError:
         raise KeyError(f"no exercise {exercise_id!r}; the exercises are {', '.join(EXERCISES)}") from None
-
-
-def for_notebook(assignment: str, stem: str) -> Exercise | None:
-    """The exercise graded from `<assignment>/<stem>.ipynb`, if any."""
-    return next((e for e in EXERCISES.values() if e.assignment == assignment and e.id == stem), None)
