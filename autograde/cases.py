@@ -96,6 +96,21 @@ class Draw:
 
 
 @dataclass(frozen=True)
+class Rule:
+    """A rule on how a result is computed, which equal values cannot show (memory, work, ...).
+
+    The probe reports what the rule needs as observations named in `keys`; `compare` does not
+    hold those against the reference's but calls `judge(expected, got)`, which returns the
+    problems found, each naming the rule and saying by how much it is broken. Limits are read
+    from `expected`: the same probe computes them from the inputs on the reference's side.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    judge: Callable[[dict, dict], list[str]]
+
+
+@dataclass(frozen=True)
 class Case:
     """One test: inputs from `build(draw)`, outputs from `probe(functions, inputs)`.
 
@@ -111,6 +126,8 @@ class Case:
     build: Callable[[Draw], Inputs]
     probe: Callable[[Any, Inputs], dict]
     seconds: float = 20.0
+    # Rules on how the result is computed (memory, work, ...), judged rather than compared.
+    rules: tuple[Rule, ...] = ()
 
 
 # Compared and hashed by identity: each exercise exists once, in its module.

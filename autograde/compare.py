@@ -100,11 +100,17 @@ def compare(case: Case, inputs: Inputs, expected: dict, got: dict | Failure) -> 
         first = inputs.first_tensor()
         dtype = str(first.dtype) if first is not None else "torch.float32"
         device = first.device.type if first is not None else "cpu"
+        judged = {key for rule in case.rules for key in rule.keys}
         for key, want in expected.items():
+            if key in judged:
+                continue
             if key not in got:
                 problems.append(f"`{key}`: missing from the result")
             elif isinstance(want, TensorValue):
                 problems += compare_tensor(key, want, got[key], dtype, device)
             elif type(got[key]) is not type(want) or got[key] != want:
                 problems.append(f"`{key}`: expected {describe(want)}, got {describe(got[key])}")
+        for rule in case.rules:
+            missing = [key for key in rule.keys if key not in got]
+            problems += [f"`{key}`: missing from the result" for key in missing] or rule.judge(expected, got)
     return CaseResult(case.name, case.points, case.visible, case.about, inputs.describe(), tuple(problems))

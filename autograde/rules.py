@@ -1,0 +1,200 @@
+"""Rules on how a result is computed, beyond its values: measured in the probe, judged in `compare`.
+
+Equal values cannot show that an attention kernel never builds the full score matrix, or
+skips the blocks that a causal mask hides. A probe therefore measures the learner's call and
+reports numbers as observations; the case's `Rule` then judges the learner's numbers against
+a limit. The limit is read from the reference's observations (the same probe computes it
+from the inputs), never from the process that ran the learner's code.
+
+Measurements:
+- `Footprint`: the largest tensor created during a call (every tensor an operator returns,
+  views included, by number of elements) and the matmul FLOPs, counted with the formulas
+  of `torch.utils.flop_counter.FlopCounterMode`;
+- `saved_for_backward`: what an autograd Function's forward kept for its backward;
+- `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autograde.cases import Rule
+from autograde.observe import ContractError
+
+# The matrix products of FlopCounterMode's table; its attention and convolution entries have no place here.
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+
+
+class Footprint(TorchDispatchMode):
+    """While active: the largest tensor any operator returns, and the matmul FLOPs spent.
+
+    FLOPs follow `FlopCounterMode`'s formulas (2 m n k per product). Counting them here
+    rather than running `FlopCounterMode` itself gives the same numbers for these operators
+    at a fraction of the cost: `FlopCounterMode` tries to decompose every other operator.
+    """
+
+    def __init__(self):
+        super().__init__()
+        # Imported here, not with this module: it imports Triton, which must not be imported
+        # before the grading process has chosen whether to interpret kernels (see flash_triton).
+        from torch.utils.flop_counter import flop_registry
+
+        self.formulas = {op: flop_registry[op] for op in _MATMULS}
+        self.largest = 0
+        self.matmul_flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for value in _pytree.tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.numel())
+        if func.overloadpacket in self.formulas:
+            self.matmul_flops += self.formulas[func.overloadpacket](*args, **kwargs, out_val=out)
+        return out
+
+
+def saved_for_backward(output: torch.Tensor, known: dict[str, torch.Tensor]) -> str:
+    """What the autograd Function that produced `output` keeps for its backward, in words.
+
+    Each tensor given to `ctx.save_for_backward` or stored as an attribute of `ctx` (once if
+    both) is named after the tensor of `known` that it equals (as many elements, values within 1e-4,
+    since a name may come from another computation than the learner's), or else described by
+    its shape. The names come in the order of `known`, then the others.
+    """
+    node = output.grad_fn
+    if node is None:
+        raise ContractError("the output has no grad_fn: was it computed by your autograd Function?")
+    kept = list(node.saved_tensors)
+    for value in vars(node).values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        kept += [v for v in values if isinstance(v, torch.Tensor)]
+    # A tensor both saved and stored on `ctx` occupies its memory once.
+    distinct = {(t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()): t for t in kept}
+    named, others = [], []
+    for tensor in distinct.values():
+        name = next((name for name, value in known.items() if _same(tensor, value)), None)
+        if name is None:
+            others.append(f"a tensor of shape {tuple(tensor.shape)}")
+        else:
+            named.append(name)
+    order = list(known)
+    return ", ".join(sorted(named, key=order.index) + others) or "nothing"
+
+
+def _same(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    if tensor.numel() != value.numel():
+        return False
+    tensor, value = tensor.detach().cpu().double().reshape(value.shape), value.detach().cpu().double()
+    return torch.allclose(tensor, value, rtol=1e-4, atol=1e-4)
+
+
+class TritonLaunches:
+    """While active, `count` is the number of Triton kernel launches (`kernel[grid](...)`).
+
+    Compiled kernels (`JITFunction`) and those of the interpreter (`InterpretedFunction`,
+    TRITON_INTERPRET=1) both launch through their `run` method, which is wrapped here.
+    """
+
+    def __enter__(self) -> "TritonLaunches":
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            raise ContractError("Triton is not installed: `pip install triton`") from None
+        self.count = 0
+        self._originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+        for cls, original in self._originals.items():
+            cls.run = self._counting(original)
+        return self
+
+    def _counting(self, original):
+        def run(kernel, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                self.count += 1
+            return original(kernel, *args, **kwargs)
+        return run
+
+    def __exit__(self, *exc) -> None:
+        for cls, original in self._originals.items():
+            cls.run = original
+
+
+# Rules.
+
+def _number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def memory(function: str) -> tuple[Rule, str, str]:
+    """The memory rule of the flash exercises, with the keys its probe reports:
+    `(rule, largest_key, limit_key)`."""
+    largest = f"largest tensor created by {function} (elements)"
+    limit = "max(q.numel(), k.numel(), v.numel(), B*H*block_q*block_k)"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        measured, allowed = got[largest], expected[limit]
+        if not _number(measured):
+            return [f"memory rule: `{largest}` should be a number, got {measured!r}"]
+        if measured <= allowed:
+            return []
+        return [f"memory rule broken: the largest tensor created by {function} holds {measured:,} elements, "
+                f"{measured / allowed:.3g}x the {allowed:,} allowed ({limit}); the reference's largest holds "
+                f"{expected[largest]:,}. Work on one block of scores at a time: never all L x S at once."]
+
+    return Rule("memory", (largest,), judge), largest, limit
+
+
+def work() -> tuple[Rule, str, str, str]:
+    """The work rule of `flash_attention_forward`, with the keys its probe reports:
+    `(rule, causal_flops_key, full_flops_key, allowed_key)`."""
+    causal = "matmul FLOPs with causal=True"
+    full = "matmul FLOPs with causal=False"
+    allowed = "largest ratio allowed"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        if not (_number(got[causal]) and _number(got[full])):
+            return [f"work rule: the FLOP counts should be numbers, got {got[causal]!r} and {got[full]!r}"]
+        if got[full] <= 0:
+            return ["work rule: no matmul FLOPs counted with causal=False: compute the scores and the output "
+                    "with matrix products (`@`, `torch.matmul`, `torch.einsum`), the operations counted"]
+        measured = got[causal] / got[full]
+        if measured <= expected[allowed]:
+            return []
+        return [f"work rule broken: with causal=True the forward spends {got[causal]:,} matmul FLOPs, "
+                f"{measured:.3g}x the {got[full]:,} of causal=False; at most {expected[allowed]:g}x is allowed "
+                f"(the reference: {expected[causal] / expected[full]:.3g}x). Skip the key blocks wholly above "
+                "the diagonal instead of computing and masking them."]
+
+    return Rule("work", (causal, full, allowed), judge), causal, full, allowed
+
+
+def saved(function: str) -> tuple[Rule, str]:
+    """The rule on what `function`'s forward saves for the backward, with the key its probe reports."""
+    key = f"tensors {function}'s forward saves for backward"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        if got[key] == expected[key]:
+            return []
+        return [f"saved-tensors rule broken: {function}'s forward saves {got[key]}; it must save exactly "
+                f"{expected[key]}, and the backward recomputes the probabilities block by block from lse."]
+
+    return Rule("saved tensors", (key,), judge), key
+
+
+def launched(function: str) -> tuple[Rule, str]:
+    """The rule that `function` computes with a Triton kernel, with the key its probe reports."""
+    key = f"Triton kernels launched by {function}"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        if _number(got[key]) and got[key] >= 1:
+            return []
+        return [f"Triton rule broken: {function} launched {got[key]!r} Triton kernels; the result must come "
+                "from a `@triton.jit` kernel launched as `kernel[grid](...)`."]
+
+    return Rule("Triton kernel", (key,), judge), key
