@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import linecache
 from pathlib import Path
 
 import torch
@@ -32,7 +33,10 @@ def namespace(exercise: Exercise) -> dict:
     notebook = json.loads(path.read_text(encoding="utf-8"))
     names: dict = {"__name__": f"reference_{exercise.id}"}
     for index, source in enumerate(solution_cells(notebook)):
-        exec(compile(source, f"{path}:solution cell {index + 1}", "exec"), names)
+        filename = f"{path}:solution cell {index + 1}"
+        # Kept for `inspect.getsource`, which Triton calls on the functions it decorates.
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), names)
     return names
 
 
