@@ -6,9 +6,9 @@ Adding an exercise: write `autograde/exercises/<id>.py` and list it in `_MODULES
 from __future__ import annotations
 
 from autograde.cases import Exercise
-from autograde.exercises import gqa, kv_cache, mha, sdpa
+from autograde.exercises import flash_backward, flash_forward, flash_triton, gqa, kv_cache, mha, sdpa
 
-_MODULES = (sdpa, mha, gqa, kv_cache)
+_MODULES = (sdpa, mha, gqa, kv_cache, flash_forward, flash_backward, flash_triton)
 EXERCISES: dict[str, Exercise] = {module.EXERCISE.id: module.EXERCISE for module in _MODULES}
 
 

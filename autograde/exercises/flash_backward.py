@@ -1,0 +1,168 @@
+"""`flash_backward`: the tiled backward pass, and FlashAttention as an autograd Function.
+
+The backward's inputs `out` and `lse` come from the test case (computed by the definition,
+in float64), so that its grade does not depend on the learner's forward; `FlashAttention`
+runs the learner's own forward (part 0 of the notebook). Rules graded in cases of their own:
+the memory bound of the forward, and that `FlashAttention` saves exactly q, k, v, out, lse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autograde import rules
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Case, Draw, Exercise, Inputs
+from autograde.exercises.flash_forward import (
+    BLOCK_SIZES, FORWARD, HEAD_DIMS, attention_inputs, call_text, memory_limit, options_of, rows_attending_nothing,
+    whole_scores_note,
+)
+from autograde.exercises.sdpa import bottom_right_causal
+from autograde.observe import ContractError, kind_of
+
+BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
+MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)
+SAVED_RULE, SAVED = rules.saved(FUNCTION)
+
+
+def attention_by_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple:
+    """out and lse in float64, straight from the definition (the grader's own code, for inputs)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~bottom_right_causal(q.shape[-2], k.shape[-2]), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row that attends nothing has lse -inf, and -inf - (-inf) is NaN: its weights are 0.
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return weights @ v, lse
+
+
+def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, causal: bool,
+                    **blocks) -> dict:
+    """q, k, v, and the out, lse and dout that the backward receives, all in `dtype`."""
+    values = attention_inputs(draw, B, H, L, S, d, dtype)
+    out, lse = attention_by_definition(values["q"], values["k"], values["v"], causal)
+    return {**values, "out": out.to(dtype), "lse": lse.to(dtype), "dout": draw.normal(B, H, L, d, dtype=dtype),
+            "causal": causal, **blocks}
+
+
+def gradients(result, call: str) -> tuple:
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise ContractError(f"{call} must return a triple (dq, dk, dv); it returned {kind_of(result)}")
+    return tuple(result)
+
+
+def apply_function(functions, inputs: Inputs) -> tuple:
+    """q, k, v as leaves that require grad, and FlashAttention.apply's output on them."""
+    q, k, v = (inputs[name].clone().requires_grad_(True) for name in ("q", "k", "v"))
+    out = functions.FlashAttention.apply(q, k, v, inputs["causal"])
+    if not isinstance(out, torch.Tensor):
+        raise ContractError(f"FlashAttention.apply(q, k, v, causal) must return out; it returned {kind_of(out)}")
+    return q, k, v, out
+
+
+# Probes.
+
+def backward(functions, inputs: Inputs) -> dict:
+    options = options_of(inputs)
+    tensors = [inputs[name] for name in ("q", "k", "v", "out", "lse", "dout")]
+    call = call_text(BACKWARD, "q, k, v, out, lse, dout", options)
+    dq, dk, dv = gradients(functions.flash_attention_backward(*tensors, **options), call)
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def backward_memory(functions, inputs: Inputs) -> dict:
+    with rules.Footprint() as footprint:
+        observed = backward(functions, inputs)
+    return {**observed, LARGEST: footprint.largest, MEMORY_LIMIT: memory_limit(inputs)}
+
+
+def apply_gradients(functions, inputs: Inputs) -> dict:
+    q, k, v, out = apply_function(functions, inputs)
+    (out * inputs["dout"]).sum().backward()
+    return {"out": out, "q.grad": q.grad, "k.grad": k.grad, "v.grad": v.grad}
+
+
+def saved_tensors(functions, inputs: Inputs) -> dict:
+    q, k, v, out = apply_function(functions, inputs)
+    known = {"q": q, "k": k, "v": v, "out": out, "lse": inputs["lse"]}
+    return {"out": out, SAVED: rules.saved_for_backward(out, known)}
+
+
+# Visible cases.
+
+def ragged(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 2, 2, 37, 50, 16, torch.float64, False, block_q=16, block_k=16),
+                  "L != S, neither a multiple of its block size")
+
+
+def causal_square(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 1, 3, 48, 48, 32, torch.float32, True, block_q=16, block_k=32),
+                  "L == S, blocks of different sizes")
+
+
+def causal_more_queries(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 2, 1, 30, 19, 16, torch.float64, True, block_q=8, block_k=8),
+                  rows_attending_nothing(30, 19))
+
+
+def memory_inputs(draw: Draw) -> Inputs:
+    inputs = Inputs(backward_inputs(draw, 2, 2, 160, 192, 16, torch.float32, False, block_q=32, block_k=32))
+    return Inputs(inputs.values, whole_scores_note(inputs))
+
+
+def apply_inputs(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 2, 2, 40, 56, 32, torch.float64, False),
+                  "gradients of (out * dout).sum() through FlashAttention.apply, with your forward")
+
+
+def saved_inputs(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 1, 2, 24, 24, 16, torch.float64, True), "what the forward saves")
+
+
+# Hidden cases.
+
+def random_backward(draw: Draw) -> Inputs:
+    S = draw.integer(1, 90)
+    L = draw.integer(1, 90)
+    causal = draw.choice([False, True])
+    values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
+                             draw.choice([torch.float32, torch.float64]), causal,
+                             block_q=draw.choice(BLOCK_SIZES), block_k=draw.choice(BLOCK_SIZES))
+    return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes and blocks")
+
+
+def random_apply(draw: Draw) -> Inputs:
+    S = draw.integer(1, 90)
+    L = draw.integer(1, 90)
+    values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
+                             draw.choice([torch.float32, torch.float64]), causal=True)
+    return Inputs(values, "causal, random sizes, through FlashAttention.apply")
+
+
+EXERCISE = Exercise(
+    id="flash_backward",
+    assignment="flash",
+    title="The tiled backward pass",
+    required=(FORWARD, BACKWARD, FUNCTION),
+    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
+    cases=(
+        Case("backward-ragged", 1.5, True, "dq, dk, dv when L and S are not multiples of the blocks",
+             (BACKWARD,), ragged, backward),
+        Case("backward-causal", 1.0, True, "dq, dk, dv with the causal mask, L == S", (BACKWARD,),
+             causal_square, backward),
+        Case("backward-causal-more-queries", 1.0, True, "rows with lse -inf contribute no gradient",
+             (BACKWARD,), causal_more_queries, backward),
+        Case("backward-memory-rule", 1.0, True, "no tensor larger than the inputs or one block of scores",
+             (BACKWARD,), memory_inputs, backward_memory, rules=(MEMORY_RULE,)),
+        Case("flash-attention-apply", 1.5, True, "FlashAttention.apply: out and the gradients of q, k, v",
+             (FUNCTION,), apply_inputs, apply_gradients),
+        Case("saved-tensors-rule", 1.0, True, "FlashAttention saves exactly q, k, v, out, lse for the backward",
+             (FUNCTION,), saved_inputs, saved_tensors, rules=(SAVED_RULE,)),
+        Case("backward-random", 1.5, False, "random sizes, blocks, dtypes, causal or not", (BACKWARD,),
+             random_backward, backward),
+        Case("flash-attention-apply-random", 1.5, False, "FlashAttention.apply, causal, random sizes",
+             (FUNCTION,), random_apply, apply_gradients),
+    ),
+)

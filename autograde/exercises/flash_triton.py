@@ -1,0 +1,108 @@
+"""`flash_triton`: the tiled forward pass as a Triton kernel.
+
+Without a CUDA GPU, kernels run in Triton's interpreter (TRITON_INTERPRET=1), which executes
+them on the CPU with numpy, slowly, so the cases stay small (L, S <= 256, float32). With a
+GPU the probe moves the inputs there. Every case also checks that a Triton kernel was launched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autograde import rules
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Case, Draw, Exercise, Inputs
+from autograde.exercises.flash_forward import HEAD_DIMS, attention_inputs, rows_attending_nothing
+from autograde.observe import ContractError, pair
+
+TRITON = "flash_attention_triton"
+INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
+# Triton chooses to interpret when it is first imported, and decorates its own library then.
+# This process runs the reference kernel, so it chooses now, before anything imports Triton
+# (`torch.utils.flop_counter` does); the worker gets the same through the exercise's `env`.
+for _name, _value in INTERPRET.items():
+    os.environ.setdefault(_name, _value)
+LAUNCH_RULE, LAUNCHES = rules.launched(TRITON)
+MAX_LENGTH = 256
+
+
+def on_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_attention(functions, inputs: Inputs) -> dict:
+    device = on_device()
+    # float32 on both sides: the reference receives the inputs in float64, but its kernel, like
+    # the learner's, keeps float32 accumulators, made for float16 and float32 inputs.
+    q, k, v = (inputs[name].to(device=device, dtype=torch.float32) for name in ("q", "k", "v"))
+    with rules.TritonLaunches() as launches:
+        result = functions.flash_attention_triton(q, k, v, causal=inputs["causal"])
+    out, lse = pair(result, f"{TRITON}(q, k, v, causal={inputs['causal']!r})", "(out, lse)")
+    for name, tensor in (("out", out), ("lse", lse)):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != device:
+            raise ContractError(f"`{name}` is on {tensor.device.type}; it should be on {device}, with q")
+    # Observed on the CPU, where the expected values are.
+    return {"out": out.cpu() if isinstance(out, torch.Tensor) else out,
+            "lse": lse.cpu() if isinstance(lse, torch.Tensor) else lse, LAUNCHES: launches.count}
+
+
+def triton_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, causal: bool) -> dict:
+    return attention_inputs(draw, B, H, L, S, d, torch.float32, causal=causal)
+
+
+# Visible cases.
+
+def square(draw: Draw) -> Inputs:
+    return Inputs(triton_inputs(draw, 1, 2, 64, 64, 16, False), "L == S")
+
+
+def ragged(draw: Draw) -> Inputs:
+    return Inputs(triton_inputs(draw, 2, 1, 45, 70, 32, False), "L != S, ragged last blocks of queries and keys")
+
+
+def causal_square(draw: Draw) -> Inputs:
+    return Inputs(triton_inputs(draw, 1, 2, 50, 50, 16, True), "L == S, ragged")
+
+
+def causal_more_queries(draw: Draw) -> Inputs:
+    return Inputs(triton_inputs(draw, 1, 1, 40, 23, 64, True), rows_attending_nothing(40, 23))
+
+
+# Hidden cases.
+
+def random_sizes(draw: Draw) -> Inputs:
+    values = triton_inputs(draw, draw.integer(1, 2), draw.integer(1, 2), draw.integer(1, MAX_LENGTH),
+                           draw.integer(1, MAX_LENGTH), draw.choice(HEAD_DIMS), draw.choice([False, True]))
+    return Inputs(values, "random sizes")
+
+
+def random_more_queries(draw: Draw) -> Inputs:
+    S = draw.integer(1, 100)
+    L = S + draw.integer(1, 100)
+    return Inputs(triton_inputs(draw, 1, draw.integer(1, 2), L, S, draw.choice(HEAD_DIMS), True),
+                  rows_attending_nothing(L, S))
+
+
+EXERCISE = Exercise(
+    id="flash_triton",
+    assignment="flash",
+    title="FlashAttention forward in Triton",
+    required=(TRITON,),
+    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
+    cases=(
+        Case("triton-square", 2.0, True, "out and lse from a Triton kernel, L == S", (TRITON,), square,
+             triton_attention, rules=(LAUNCH_RULE,)),
+        Case("triton-ragged", 2.0, True, "out and lse when L and S are not multiples of the blocks", (TRITON,),
+             ragged, triton_attention, rules=(LAUNCH_RULE,)),
+        Case("triton-causal", 2.0, True, "the causal mask, L == S", (TRITON,), causal_square, triton_attention,
+             rules=(LAUNCH_RULE,)),
+        Case("triton-causal-more-queries", 1.5, True, "rows that attend nothing give out 0 and lse -inf",
+             (TRITON,), causal_more_queries, triton_attention, rules=(LAUNCH_RULE,)),
+        Case("triton-random", 1.5, False, "random sizes up to 256, causal or not", (TRITON,), random_sizes,
+             triton_attention, rules=(LAUNCH_RULE,)),
+        Case("triton-random-more-queries", 1.0, False, "causal with L > S, random sizes", (TRITON,),
+             random_more_queries, triton_attention, rules=(LAUNCH_RULE,)),
+    ),
+    env=INTERPRET,
+)
