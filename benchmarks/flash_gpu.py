@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if not torch.cuda.is_available():
     # Read when @triton.jit runs, so it must precede the import: kernels are then interpreted.
@@ -168,8 +169,6 @@ def attention_tflops(length, head_dim, batch, heads, causal, milliseconds):
 
 
 def benchmark():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     print(f"machine: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, "
           f"torch {torch.__version__}, triton {triton.__version__}, "
           f"Python {platform.python_version()}")
