@@ -15,7 +15,6 @@ import linecache
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ import torch.nn.functional as F
 
 from autograde import exercises, extract, forbidden, grade, reference, rules, self_check
 from autograde.observe import Submission
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, write
+from tests.fixtures.implementations import Variant, variant_id
+from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, write
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,15 +50,6 @@ def replaced(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    exercise: str
-    answers: dict[str, str]
-    visible_failures: frozenset[str] = frozenset()
-    hidden_failures: frozenset[str] = frozenset()
-    hidden_may_fail: frozenset[str] = frozenset()
-    message: str = ""  # what the first failing visible test must say
 
 
 FORWARD = answer("flash_forward", "flash_attention_forward")
@@ -219,16 +210,12 @@ def grade_in_process(exercise_id: str, answers: dict[str, str]):
     return {result.name: result for result in results}, violations
 
 
-def variant_id(variant: Variant) -> str:
-    return f"{variant.exercise}-{variant.name}"
-
 
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
 def test_a_wrong_answer_loses_exactly_the_tests_it_breaks(variant):
     results, violations = grade_in_process(variant.exercise, variant.answers)
     assert not violations
-    visible = {name for name in failed(results) if results[name].visible}
-    hidden = failed(results) - visible
+    visible, hidden = lost(results)
     assert visible == variant.visible_failures
     assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
     first = next(results[c.name] for c in exercises.get(variant.exercise).cases if c.name in visible)

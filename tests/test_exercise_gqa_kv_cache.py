@@ -20,8 +20,8 @@ from torch import nn
 from autograde import exercises, grade, reference
 from autograde.cases import build_inputs
 from autograde.exercises.kv_cache import given_module
-from tests.fixtures.implementations import Variant, fs
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, grade_in_process, learner_notebook
+from tests.fixtures.implementations import Variant, fs, variant_id
+from tests.fixtures.notebooks import ROOT, SEED, answer, failed, grade_in_process, learner_notebook, lost
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,16 +179,12 @@ def gqa_decode_step(module, x_new, cache=None):
 ]
 
 
-def variant_id(variant: Variant) -> str:
-    return f"{variant.exercise}-{variant.name}"
-
 
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
 def test_a_wrong_answer_fails_exactly_the_tests_it_breaks(variant):
     results, violations = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
     assert not violations
-    visible = {name for name in failed(results) if results[name].visible}
-    hidden = failed(results) - visible
+    visible, hidden = lost(results)
     assert visible == variant.visible_failures
     assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
 

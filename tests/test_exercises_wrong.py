@@ -12,22 +12,18 @@ from pathlib import Path
 import pytest
 
 from autograde import exercises, grade
-from tests.fixtures.implementations import MHA_RIGHT, MHA_WRONG, SDPA_RIGHT, SDPA_WRONG, Variant
-from tests.fixtures.notebooks import SEED, failed, grade_in_process, learner_notebook, write
+from tests.fixtures.implementations import MHA_RIGHT, MHA_WRONG, SDPA_RIGHT, SDPA_WRONG, variant_id
+from tests.fixtures.notebooks import SEED, failed, grade_in_process, learner_notebook, lost, write
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def variant_id(variant: Variant) -> str:
-    return f"{variant.exercise}-{variant.name}"
 
 
 @pytest.mark.parametrize("variant", [v for v in SDPA_WRONG + MHA_WRONG if not v.not_allowed], ids=variant_id)
 def test_a_wrong_answer_fails_exactly_the_tests_it_breaks(variant):
     results, violations = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
     assert not violations
-    visible = {name for name in failed(results) if results[name].visible}
-    hidden = failed(results) - visible
+    visible, hidden = lost(results)
     assert visible == variant.visible_failures
     assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
     assert visible | hidden, "a wrong answer must lose points"
