@@ -158,10 +158,11 @@ def grade_notebook(path: Path, prepared: Prepared, limits: sandbox.Limits = sand
         reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
         return not_run(prepared, NOT_ALLOWED, reason)
     with tempfile.TemporaryDirectory(prefix="autograde-") as scratch:
-        folder = Path(scratch)
-        write_job(folder, prepared, cells, limits)
-        outcome = sandbox.run_worker(folder, limits, prepared.exercise.env)
-        return read_outcome(folder, prepared, outcome, limits)
+        work = Path(scratch) / "work"
+        work.mkdir()
+        write_job(work, prepared, cells, limits)
+        outcome = sandbox.run_worker(Path(scratch), limits, prepared.exercise.env)
+        return read_outcome(work, prepared, outcome, limits)
 
 
 def students_in(submitted: Path) -> list[str]:

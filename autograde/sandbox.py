@@ -1,29 +1,38 @@
-"""Run the worker on a submission in a separate, limited process.
+"""Run the worker on a submission in an isolated, limited process tree.
 
-The process is `python -I` (no user site, no environment-driven imports, no current folder
-on `sys.path`) in a scratch folder, with a scrubbed environment, in a new session, with
-resource limits set before it starts (CPU time, address space, file size, open files,
-processes) and a wall-clock limit; at the end its whole process group is killed.
+A `ForkServer` is one warm interpreter (`forkserver.py`, started with `python -I` and a
+scrubbed environment) that has imported torch once; every submission is a process tree
+forked from it, isolated and limited as that module describes: resource limits (CPU time,
+address space, file size, open files, processes), a wall-clock limit, and at the end the
+whole tree killed. Running as root, each tree also gets new PID, mount, network and IPC
+namespaces, a private read-only root filesystem and its own unprivileged uid, so that the
+process-count limit applies and nothing outside its scratch folder can be read or changed.
+`ProcessOutcome.isolation` says which of these was in force.
 
-Note that the kernel does not apply the process-count limit to root, and root may raise
-its own limits: for a real boundary, run the grader as an unprivileged user.
+A grading job's folder holds `work/` (the job and, after the run, the results: everything in
+it is untrusted) and `root/` (where the private root filesystem is mounted).
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import json
 import os
-import resource
-import signal
+import stat
 import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
 ROOT = Path(__file__).resolve().parent.parent
-_START_WORKER = "import sys, pathlib; sys.path.insert(0, sys.argv[1]); " \
-                "from autograde.worker import main; main(pathlib.Path.cwd())"
+_START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.forkserver import serve; serve()"
 OUTPUT_TAIL = 1500
+FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
+SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader stops waiting
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class Limits:
     memory_bytes: int = 6 * 2**30
     file_bytes: int = 256 * 2**20
     open_files: int = 256
-    extra_processes: int = 32  # on top of those the user already runs (the limit is per user)
+    extra_processes: int = 64  # processes and threads; without root, on top of the user's own
     cell_seconds: float = 60.0  # one cell of the notebook
     case_seconds: float | None = None  # one test, if less than the test's own limit
 
@@ -42,73 +51,160 @@ class Limits:
 class ProcessOutcome:
     returncode: int | None  # None when it was stopped at the wall-clock limit
     output_tail: str
+    isolation: str = ""  # "namespaces+uid" when fully isolated; see forkserver.py
+    note: str = ""  # why the isolation is less than full, if it is
 
     @property
     def timed_out(self) -> bool:
         return self.returncode is None
 
 
-def _user_processes() -> int:
-    """Processes and threads of this user now: what RLIMIT_NPROC counts."""
-    uid, count = os.getuid(), 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            continue
-        if int(fields.get("Uid", "-1").split()[0]) == uid:
-            count += int(fields.get("Threads", "1"))
-    return count
-
-
-def _set_limits(limits: Limits, processes: int):
-    settings = (
-        (resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 5)),
-        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
-        (resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes)),
-        (resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files)),
-        (resource.RLIMIT_NPROC, (processes, processes)),
-        (resource.RLIMIT_CORE, (0, 0)),
-    )
-
-    def apply() -> None:  # runs in the child between fork and exec: no imports, no locks
-        for which, value in settings:
-            resource.setrlimit(which, value)
-
-    return apply
-
-
-def scrubbed_environment(folder: Path, extra: Mapping[str, str]) -> dict[str, str]:
+def scrubbed_environment(home: str, extra: Mapping[str, str] = {}) -> dict[str, str]:
     threads = "1"  # one thread per worker: `--jobs` runs several side by side
     return {
-        "PATH": os.defpath, "HOME": str(folder), "TMPDIR": str(folder), "USER": "learner",
+        "PATH": os.defpath, "HOME": home, "TMPDIR": home, "USER": "learner",
         "LANG": "C.UTF-8", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads, "PYTHONHASHSEED": "0", **extra,
     }
 
 
-def run_worker(folder: Path, limits: Limits, extra_env: Mapping[str, str] = {}) -> ProcessOutcome:
-    """Run `autograde.worker` in `folder` (which holds its job) and wait for it, or stop it."""
-    log = folder / "output.txt"
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _START_WORKER, str(ROOT)],
-            cwd=folder, env=scrubbed_environment(folder, extra_env),
-            stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_set_limits(limits, _user_processes() + limits.extra_processes),
+def read_tail(path: Path, size: int = OUTPUT_TAIL) -> str:
+    """The end of an untrusted file: not through a link, only a regular file, at most `size` bytes."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(descriptor, "rb") as file:
+        length = os.fstat(descriptor).st_size
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return ""
+        file.seek(max(0, length - size))
+        return file.read(size).decode("utf-8", "replace")
+
+
+class _Uids:
+    """One uid per running submission, so that no two can signal or count against each other."""
+
+    def __init__(self):
+        self._free: list[int] = []
+        self._next = itertools.count(FIRST_UID)
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            return self._free.pop() if self._free else next(self._next)
+
+    def give_back(self, uid: int) -> None:  # its supervisor killed every process of it
+        with self._lock:
+            self._free.append(uid)
+
+
+class ForkServerError(RuntimeError):
+    pass
+
+
+class ForkServer:
+    """The warm interpreter; `run` may be called from several threads at once."""
+
+    def __init__(self):
+        from autograde.exercises import EXERCISES  # what the exercises need set before torch and triton load
+
+        needed = {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
+        self._log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
+            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **needed}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, start_new_session=True,
         )
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[threading.Event, list]] = {}
+        self._ids = itertools.count()
+        self._uids = _Uids() if os.getuid() == 0 else None
+        first = self._process.stdout.readline()
+        if not first.startswith(b'{"ready"'):
+            raise ForkServerError(f"the fork server did not start: {self._stderr_tail()}")
+        threading.Thread(target=self._read_replies, daemon=True).start()
+
+    def _stderr_tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read()[-OUTPUT_TAIL:].decode("utf-8", "replace")
+
+    def _read_replies(self) -> None:
+        for line in self._process.stdout:
+            reply = json.loads(line)
+            with self._lock:
+                event, box = self._waiting.pop(reply.pop("id"), (None, None))
+            if event is not None:
+                box.append(reply)
+                event.set()
+        with self._lock:  # the server has gone: nobody waits for it any longer
+            for event, _ in self._waiting.values():
+                event.set()
+            self._waiting.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def _send(self, message: dict) -> None:
+        with self._lock:
+            self._process.stdin.write(json.dumps(message).encode() + b"\n")
+            self._process.stdin.flush()
+
+    def run(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
+        """Run the worker on the job in `folder/work`, and wait for it, or stop it."""
+        work = folder / "work"
+        (folder / "root").mkdir()
+        uid = self._uids.take() if self._uids else None
         try:
-            returncode = process.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            returncode = None
+            if uid is not None:
+                os.chmod(folder, 0o711)
+                os.chown(work, uid, uid)
+            reply = self._exchange(folder, work, limits, env, uid)
         finally:
-            try:  # whatever it started in its session goes too
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.wait()
-    with log.open("rb") as output:
-        output.seek(max(0, log.stat().st_size - OUTPUT_TAIL))
-        tail = output.read().decode("utf-8", "replace")
-    return ProcessOutcome(returncode, tail)
+            if uid is not None:
+                self._uids.give_back(uid)
+        return ProcessOutcome(reply.get("returncode"), read_tail(work / "output.txt"),
+                              reply.get("isolation", ""), reply.get("note", ""))
+
+    def _exchange(self, folder: Path, work: Path, limits: Limits, env: Mapping[str, str], uid: int | None) -> dict:
+        ident, event, box = str(next(self._ids)), threading.Event(), []
+        with self._lock:
+            self._waiting[ident] = (event, box)
+        self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
+                    "package_root": str(ROOT), "limits": asdict(limits),
+                    "env": scrubbed_environment(str(work), env)})
+        if not event.wait(limits.wall_seconds + SERVER_GRACE):
+            self._send({"kill": ident})
+            event.wait(SERVER_GRACE)
+        if not box:
+            if not self.alive:
+                raise ForkServerError(f"the fork server stopped: {self._stderr_tail()}")
+            return {"returncode": None, "note": "the fork server did not answer in time"}
+        return box[0]
+
+    def close(self) -> None:
+        if self.alive:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=SERVER_GRACE)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+
+
+_shared: ForkServer | None = None
+_shared_lock = threading.Lock()
+
+
+def fork_server() -> ForkServer:
+    """This process's fork server, started on first use and again if it has stopped."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or not _shared.alive:
+            _shared = ForkServer()
+            atexit.register(_shared.close)
+        return _shared
+
+
+def run_worker(folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
+    return fork_server().run(folder, limits, env)

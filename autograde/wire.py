@@ -1,14 +1,18 @@
 """Data between the grading process and the worker: `.npy` arrays and small JSON, never pickle.
 
-What the worker writes is untrusted: every file is size-checked before it is read, an
-array's header (dtype, shape) is checked before its values are loaded, and `numpy.load`
-runs with `allow_pickle=False`. Anything malformed raises `WireError`.
+What the worker writes is untrusted: a file is read only if neither it nor its folder is a
+symbolic link and it is a regular file, its size is checked before it is read, an array's
+header (dtype, shape) is checked before its values are loaded, and `numpy.load` runs with
+`allow_pickle=False`. Anything malformed raises `WireError`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,41 +38,61 @@ def write_json(path: Path, data: Any) -> None:
     partial.replace(path)
 
 
-def read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise WireError(f"{path.name} is missing")
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise WireError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes")
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The whole file, opened without following a link in its name or its folder's."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        folder = os.open(path.parent, flags | os.O_DIRECTORY)
+        try:
+            descriptor = os.open(path.name, flags, dir_fd=folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        raise WireError(f"{path.name} cannot be opened ({exc.strerror})") from None
+    with os.fdopen(descriptor, "rb") as file:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise WireError(f"{path.name} is not a regular file")
+        if status.st_size > limit:
+            raise WireError(f"{path.name} is larger than {limit} bytes")
+        return file.read(limit + 1)[:limit]
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(read_bytes(path, MAX_JSON_BYTES).decode("utf-8"))
     except ValueError as exc:  # not UTF-8, not JSON, or a number too long to read
         raise WireError(f"{path.name} is not valid JSON: {exc}") from None
 
 
-def read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and dtype of an `.npy` file, after checking its size agrees with them."""
-    size = path.stat().st_size
-    if size > MAX_ARRAY_BYTES:
-        raise WireError(f"{path.name} is larger than {MAX_ARRAY_BYTES} bytes")
-    with path.open("rb") as file:
-        try:
-            version = np.lib.format.read_magic(file)
-            reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            shape, _, dtype = reader[version](file, max_header_size=10_000)
-        except (ValueError, KeyError, EOFError) as exc:
-            raise WireError(f"{path.name} is not an .npy array: {exc}") from None
-        header = file.tell()
+def _npy(path: Path) -> tuple[tuple[int, ...], np.dtype, bytes]:
+    """Shape, dtype and bytes of an `.npy` file, after checking its size agrees with them."""
+    data = read_bytes(path, MAX_ARRAY_BYTES)
+    file = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(file)
+        reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        shape, _, dtype = reader[version](file, max_header_size=10_000)
+    except (ValueError, KeyError, EOFError) as exc:
+        raise WireError(f"{path.name} is not an .npy array: {exc}") from None
     if dtype.kind not in ARRAY_KINDS or dtype.hasobject or len(shape) > 16:
         raise WireError(f"{path.name} holds dtype {dtype}, which is not a plain numeric dtype")
-    if header + math.prod(shape) * dtype.itemsize != size:
+    if file.tell() + math.prod(shape) * dtype.itemsize != len(data):
         raise WireError(f"{path.name}: its size does not match its header")
-    return tuple(shape), dtype
+    return tuple(shape), dtype, data
+
+
+def read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype, _ = _npy(path)
+    return shape, dtype
+
+
+def _load(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def read_array(path: Path) -> np.ndarray:
-    read_header(path)
-    with path.open("rb") as file:
-        return np.load(file, allow_pickle=False)
+    return _load(_npy(path)[2])
 
 
 # Inputs: trusted process -> worker.
@@ -136,9 +160,9 @@ def decode_observations(encoded: Any, folder: Path, expected: dict) -> dict | Fa
             name = _text(item["tensor"])
             if Path(name).name != name or not name.endswith(".npy"):
                 raise WireError(f"output {key!r} names a file outside the result folder")
-            shape, _ = read_header(folder / name)
+            shape, _, data = _npy(folder / name)
             want = expected.get(key)
-            array = read_array(folder / name) if isinstance(want, TensorValue) and shape == want.shape else None
+            array = _load(data) if isinstance(want, TensorValue) and shape == want.shape else None
             observed[key] = TensorValue(shape, _text(item["dtype"], 40), _text(item["device"], 40), array)
         elif "other" in item:
             observed[key] = OtherValue(_text(item["other"], 200))

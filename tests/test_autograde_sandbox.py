@@ -124,11 +124,18 @@ def test_a_not_allowed_call_hidden_from_the_scan_trips_the_wire(grades):
 
 
 REPORT_THE_PROCESS = """
-import json, os, resource, sys
+import json, os, resource, socket, sys
 limits = {name: resource.getrlimit(getattr(resource, name))[0]
           for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC")}
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=1)
+    network = "connected"
+except OSError as exc:
+    network = exc.strerror
 json.dump({"environment": dict(os.environ), "cwd": os.getcwd(), "isolated": sys.flags.isolated,
-           "session": os.getsid(0), "pid": os.getpid(), "limits": limits}, open("facts.json", "w"))
+           "uid": os.getuid(), "pid": os.getpid(), "processes": sorted(os.listdir("/proc")),
+           "root": sorted(os.listdir("/")), "course": sorted(os.listdir(ROOT)), "network": network,
+           "descriptors": sorted(os.listdir("/proc/self/fd")), "limits": limits}, open("facts.json", "w"))
 """
 
 
@@ -136,18 +143,28 @@ json.dump({"environment": dict(os.environ), "cwd": os.getcwd(), "isolated": sys.
 def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("AUTOGRADE_SEED", "12345")
     monkeypatch.setenv("INSTRUCTOR_TOKEN", "secret")
-    wire.write_json(tmp_path / "job.json", {"exercise": "sdpa", "cell_seconds": 10,
-                                            "cells": [[1, REPORT_THE_PROCESS]], "cases": []})
+    work = tmp_path / "work"
+    work.mkdir()
+    cell = f"ROOT = {str(sandbox.ROOT)!r}\n" + REPORT_THE_PROCESS
+    wire.write_json(work / "job.json", {"exercise": "sdpa", "cell_seconds": 10, "cells": [[1, cell]], "cases": []})
     outcome = sandbox.run_worker(tmp_path, LIMITS)
     assert outcome.returncode == 0, outcome.output_tail
-    facts = json.loads((tmp_path / "facts.json").read_text())
+    facts = json.loads((work / "facts.json").read_text())
     assert not {"AUTOGRADE_SEED", "INSTRUCTOR_TOKEN"} & set(facts["environment"])
-    assert facts["environment"]["HOME"] == str(tmp_path)
-    assert facts["cwd"] == str(tmp_path)
+    assert facts["environment"]["HOME"] == facts["cwd"] == str(work)
     assert facts["isolated"] == 1
-    assert facts["session"] == facts["pid"] != os.getsid(0)
     assert facts["limits"]["RLIMIT_CPU"] == LIMITS.cpu_seconds
     assert facts["limits"]["RLIMIT_AS"] == LIMITS.memory_bytes
     assert facts["limits"]["RLIMIT_FSIZE"] == LIMITS.file_bytes
     assert facts["limits"]["RLIMIT_NOFILE"] == LIMITS.open_files
-    assert facts["limits"]["RLIMIT_NPROC"] < resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    assert facts["descriptors"] == ["0", "1", "2", "3"]  # the standard three, and the one listing them
+    if os.getuid() != 0:
+        assert outcome.isolation == "session"
+        return
+    assert outcome.isolation == "namespaces+uid", outcome.note
+    assert facts["uid"] >= sandbox.FIRST_UID
+    assert facts["limits"]["RLIMIT_NPROC"] == LIMITS.extra_processes
+    assert facts["pid"] == 2 and [p for p in facts["processes"] if p.isdigit()] == ["1", "2"]
+    assert facts["course"] == [".venv", "autograde"] or facts["course"] == ["autograde"]
+    assert "home" not in facts["root"] and "work" in facts["root"] or "mnt" not in facts["root"]
+    assert facts["network"] == "Network is unreachable"

@@ -1,0 +1,244 @@
+"""A warm interpreter that forks one isolated process tree per submission.
+
+Started once per grading run by `sandbox.ForkServer`, it imports torch, numpy, triton and the
+grader's worker, and nothing of any submission. Each request (a JSON line on stdin) forks a
+*supervisor*, which puts itself in new namespaces and forks the *submission process*: the
+first process of a new PID namespace, in a private root filesystem (`isolation.private_root`),
+under an unprivileged uid, with resource limits, running `worker.main`. The supervisor waits
+for it against the wall clock, kills it (and with it the whole namespace) and writes how it
+ended to a pipe; the server sends that back as a JSON line on stdout.
+
+Without root, or where the kernel refuses namespaces, the submission runs in a new session
+with the same limits and the supervisor kills its process group and, when it had its own
+uid, every process of that uid; the reply says which isolation was in force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy  # noqa: F401  (imported here so that every submission process starts with it)
+import torch
+import triton  # noqa: F401
+
+from autograde import isolation, worker
+
+STDOUT_TAIL = 1500
+
+
+def _limits(limits: dict, processes: int) -> None:
+    for which, value in (
+        (resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 5)),
+        (resource.RLIMIT_AS, (limits["memory_bytes"], limits["memory_bytes"])),
+        (resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"])),
+        (resource.RLIMIT_NOFILE, (limits["open_files"], limits["open_files"])),
+        (resource.RLIMIT_NPROC, (processes, processes)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
+        resource.setrlimit(which, value)
+
+
+def _user_processes(uid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uids = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(uids.split()[1]) == uid:
+            found.append(int(status.parent.name))
+    return found
+
+
+def _run_submission(request: dict) -> None:
+    """The submission's process: limit, drop privileges, run the worker. Never returns."""
+    try:
+        isolation.die_with_parent()
+        work, uid = Path(request["work"]), request["uid"]
+        os.chdir(work)
+        output = os.open(work / "output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        if uid is not None:
+            os.fchown(output, uid, uid)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        processes = request["limits"]["extra_processes"]
+        if uid is None:
+            processes += len(_user_processes(os.getuid()))
+        _limits(request["limits"], processes)
+        if uid is not None:
+            isolation.drop_privileges(uid)
+        isolation.die_with_parent()  # again: a change of uid clears it
+        isolation.no_new_privileges()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        worker.main(work)
+        sys.stdout.flush()
+        os._exit(0)
+    except BaseException:
+        try:
+            traceback.print_exc()
+            sys.stderr.flush()
+        finally:
+            os._exit(70)
+
+
+def _contain(request: dict, namespaces: bool, status_pipe: int) -> None:
+    """The first process of the new PID namespace: set up the private root filesystem, start
+    the submission's process, wait for it, and write its wait status. Never returns.
+
+    When it exits, the kernel kills every other process in the namespace."""
+    try:
+        isolation.die_with_parent()
+        if namespaces:
+            isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]))
+        else:
+            os.setsid()
+        child = os.fork()
+        if child == 0:
+            os.close(status_pipe)
+            _run_submission(request)
+        while True:  # as init, it also reaps the orphans that the submission leaves
+            pid, status = os.waitpid(-1, 0)
+            if pid == child:
+                break
+        os.write(status_pipe, str(status).encode())
+        os._exit(0)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(71)
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The wait status of `pid`, or None once the deadline passes."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+
+
+def _kill_escapes(group: int, uid: int | None) -> None:
+    """Without namespaces: the submission's process group, and every process of its own uid."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+    for _ in range(100 if uid is not None else 0):  # escapes into new sessions, until none is left
+        escaped = _user_processes(uid)
+        if not escaped:
+            return
+        for pid in escaped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+
+
+def _supervise(request: dict, report: int) -> None:
+    """The supervisor: between the server and the submission. Never returns."""
+    isolation.die_with_parent()
+    os.setsid()
+    uid, namespaces, note = request["uid"], False, ""
+    if os.getuid() == 0:
+        try:
+            isolation.unshare(isolation.NAMESPACES)
+            namespaces = True
+        except OSError as exc:
+            note = f"no namespaces ({exc})"
+    else:
+        note = "not root: same uid as the grader, no namespaces"
+    deadline = time.monotonic() + request["limits"]["wall_seconds"]
+    status_read, status_write = os.pipe()
+    first = os.fork()
+    if first == 0:
+        os.close(report)
+        os.close(status_read)
+        _contain(request, namespaces, status_write)
+    os.close(status_write)
+    ended = _wait(first, deadline)
+    if ended is None:
+        os.kill(first, signal.SIGKILL)  # as the namespace's first process, it takes all others with it
+        os.waitpid(first, 0)
+    if not namespaces:
+        _kill_escapes(first, uid)
+    status = os.read(status_read, 64).decode() if ended is not None else ""
+    kind = ("namespaces" if namespaces else "session") + ("+uid" if uid is not None else "")
+    outcome = {
+        "returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None,
+        "isolation": kind, "note": note,
+    }
+    if ended is not None and not status.isdigit():
+        outcome["note"] = (note + "; " if note else "") + "the namespace's first process ended unexpectedly"
+        outcome["returncode"] = os.waitstatus_to_exitcode(ended)
+    os.write(report, json.dumps(outcome).encode())
+    os._exit(0)
+
+
+def serve() -> None:
+    """Read requests from stdin, answer on stdout, until stdin closes."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
+    torch.set_num_threads(1)
+    running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
+    pending = b""
+    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.02)
+        if ready:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                _start(json.loads(line), running)
+        _reap(running, replies)
+
+
+def _start(request: dict, running: dict[int, tuple[str, int]]) -> None:
+    if "kill" in request:
+        for pid, (ident, _) in running.items():
+            if ident == request["kill"]:
+                os.kill(pid, signal.SIGKILL)
+        return
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise RuntimeError("the fork server has started a thread; forking now would be unsafe")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _supervise(request, write_end)
+    os.close(write_end)
+    running[pid] = (request["id"], read_end)
+
+
+def _reap(running: dict[int, tuple[str, int]], replies) -> None:
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        ident, read_end = running.pop(pid)
+        data = os.read(read_end, 4096)
+        os.close(read_end)
+        try:
+            reply = json.loads(data)
+        except ValueError:
+            reply = {"returncode": None, "isolation": "unknown",
+                     "note": f"the supervisor ended with status {status} and no report"}
+        replies.write(json.dumps({"id": ident, **reply}) + "\n")
