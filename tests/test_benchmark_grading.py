@@ -1,0 +1,83 @@
+"""The grading benchmark at a tiny scale: its report's structure, and nbgrader's points equal to the
+grader's for every (student, exercise) of a class that holds each kind of submission. Timings are
+not checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import grading_throughput as benchmark
+from benchmarks.grading_throughput import Submission
+
+pytestmark = pytest.mark.timeout(900)
+
+STUDENTS = 2
+ASSIGNMENT = "attention"
+SEED = 12345  # draws, for 2 students, a reference answer, a wrong answer and the untouched release
+PAIRS = {(f"student{index:03d}", exercise) for index in (1, 2) for exercise in ("sdpa", "mha")}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return benchmark.run_benchmark(STUDENTS, [ASSIGNMENT], jobs=2, seed=SEED, skip_nbgrader=False,
+                                   folder=tmp_path_factory.mktemp("benchmark"))
+
+
+def test_the_class_holds_every_kind_of_submission(report):
+    assert report["notebooks"] == len(PAIRS)
+    assert sum(report["mix"].values()) == len(PAIRS)
+    assert all(report["mix"][kind] > 0 for kind in ("solution", "wrong", "release")), report["mix"]
+
+
+def test_nbgrader_gives_the_grader_points_for_every_student_and_exercise(report):
+    assert {(row["student"], row["exercise"]) for row in report["grades"]} == PAIRS
+    assert all(row["autograde"] is not None and row["nbgrader"] is not None for row in report["grades"])
+    assert report["disagreements"] == [], report["disagreements"]
+    assert {row["autograde"] for row in report["grades"]} >= {0.0, 10.0}
+
+
+def test_the_report_has_the_machine_times_and_ratio(report):
+    assert {"cpu", "cores", "torch"} <= set(report["machine"])
+    for grader in ("autograde", "nbgrader"):
+        assert report[f"{grader}_seconds"] > 0
+        assert report[f"{grader}_seconds_per_notebook"] == pytest.approx(report[f"{grader}_seconds"] / len(PAIRS))
+    assert report["nbgrader_over_autograde"] == pytest.approx(report["nbgrader_seconds"] / report["autograde_seconds"])
+    assert json.loads(json.dumps(report)) == report
+
+
+def test_the_markdown_table_puts_both_graders_side_by_side(report):
+    text = benchmark.markdown(report)
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and "seconds per notebook" in table[0]
+    assert "autograde grade" in table[2] and "nbgrader" in table[3]
+    assert "nbgrader / autograde:" in text and f"points that differ: 0 of {len(PAIRS)}" in text
+
+
+def test_a_difference_in_points_is_reported():
+    submissions = [Submission("ada", ASSIGNMENT, "sdpa", "solution"), Submission("ada", ASSIGNMENT, "mha", "release")]
+    ours = {("ada", "sdpa"): 10.0, ("ada", "mha"): 0.0}
+    rows = benchmark.points_side_by_side(submissions, ours, {("ada", "sdpa"): 8.5, ("ada", "mha"): None})
+    assert [row["agree"] for row in rows] == [False, False]
+    assert all(row["agree"] for row in benchmark.points_side_by_side(submissions, ours, ours))
+
+
+def test_the_class_is_drawn_from_the_seed(tmp_path: Path):
+    first = benchmark.write_class(tmp_path / "a", 3, [ASSIGNMENT], SEED)
+    assert benchmark.write_class(tmp_path / "b", 3, [ASSIGNMENT], SEED) == first
+    assert sorted(p.relative_to(tmp_path / "a").as_posix() for p in (tmp_path / "a").rglob("*.ipynb")) == sorted(
+        f"{s.student}/{ASSIGNMENT}/{s.exercise}.ipynb" for s in first)
+    wrong = [s for s in first if s.kind.startswith("wrong:")]
+    assert all(s.kind.removeprefix("wrong:") in {v.name for v in benchmark.wrong_answers(s.exercise)} for s in wrong)
+
+
+def test_skip_nbgrader_times_the_grader_alone_and_writes_json(tmp_path: Path, capsys):
+    path = tmp_path / "report.json"
+    status = benchmark.main(["--students", "1", "--assignment", ASSIGNMENT, "--jobs", "2", "--skip-nbgrader",
+                             "--json", str(path)])
+    assert status == 0
+    written = json.loads(path.read_text())
+    assert written["notebooks"] == 2 and written["autograde_seconds"] > 0 and written["nbgrader_seconds"] is None
+    assert "nbgrader: skipped" in capsys.readouterr().out
