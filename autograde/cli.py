@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
-from autograde import exercises, grade, release, report, sandbox
+from autograde import batch, exercises, grade, journal, release, report, sandbox
 from autograde.nbgrader_tests import SEED_VARIABLE
 
 
@@ -37,18 +38,38 @@ def grade_one(path: Path, seed: int, limits: sandbox.Limits) -> int:
     return 0
 
 
-def grade_tree(submitted: Path, out: Path, seed: int, jobs: int, limits: sandbox.Limits,
-               assignments: list[str] | None) -> int:
-    rows = grade.grade_all(submitted, seed, jobs, limits, assignments)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_csv(out / "grades.csv", rows, seed)
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: sandbox.Limits,
+               assignments: list[str] | None, resume: bool = False) -> int:
+    try:
+        record = journal.Journal(out, seed, resume)
+    except journal.JournalError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: what is recorded stays recorded
+    try:
+        rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record)
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(record.done())} notebooks are recorded in {out / journal.FILE}; "
+              f"grade the rest with --resume", file=sys.stderr)
+        return 130
+    finally:
+        record.close()
+    report.write_csv(out / "grades.csv", rows, record.seed)
     feedback = out / "feedback"
     feedback.mkdir(exist_ok=True)
-    for student in grade.students_in(submitted):
+    students = batch.students_in(submitted)
+    for student in students:
         grades = [g for s, g in rows if s == student]
-        (feedback / f"{student}.md").write_text(report.feedback_markdown(student, grades, seed))
-    print(f"graded {len(rows)} notebooks of {len(grade.students_in(submitted))} students with seed {seed}: "
+        report.write_atomically(feedback / f"{student}.md", report.feedback_markdown(student, grades, record.seed))
+    isolation = sorted({g.isolation for _, g in rows if g.isolation})
+    print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}: "
           f"{out / 'grades.csv'}, {feedback}/")
+    print(f"isolation: {', '.join(isolation) or 'no notebook ran'}"
+          + ("" if isolation in ([], ["namespaces+uid"]) else f" ({sandbox.WEAKER_ISOLATION})"))
     return 0
 
 
@@ -69,16 +90,20 @@ def main(argv: list[str] | None = None) -> int:
                          help="grade only this assignment (repeatable; default: those submitted)")
     grading.add_argument("--timeout", type=float, default=sandbox.Limits.wall_seconds,
                          help="wall-clock seconds for one notebook (default: %(default)s)")
+    grading.add_argument("--resume", action="store_true",
+                         help="go on with the run recorded in --out: grade only the notebooks not yet "
+                              "recorded (or changed since), with the run's seed")
     args = parser.parse_args(argv)
 
     if args.command == "release":
         for path in release.release():
             print(f"wrote {path.relative_to(release.ROOT)}")
         return 0
-    seed = choose_seed(args.seed)
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if args.path.is_file():
-        return grade_one(args.path, seed, limits)
+        return grade_one(args.path, choose_seed(args.seed), limits)
     if not args.path.is_dir():
         parser.error(f"{args.path} is neither a notebook nor a folder")
-    return grade_tree(args.path, args.out, seed, args.jobs, limits, args.assignment)
+    resuming = args.resume and (args.out / journal.FILE).exists()
+    seed = args.seed if resuming else choose_seed(args.seed)
+    return grade_tree(args.path, args.out, seed, args.jobs, limits, args.assignment, args.resume)

@@ -2,20 +2,20 @@
 
 `prepare` computes, once per exercise and seed, every test case's inputs and the reference's
 expected observations (trusted code, in this process). `grade_notebook` then grades one
-notebook against them; the submission's code only ever runs in the worker process.
+notebook against them; the submission's code only ever runs in the sandbox's processes.
+`batch.py` grades a class.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import signal
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
-from autograde import extract, forbidden, notebook, reference, sandbox, wire
+from autograde import extract, forbidden, integrity, notebook, reference, sandbox, wire
 from autograde.cases import Case, Exercise, Inputs, build_inputs
 from autograde.compare import CaseResult, compare
 from autograde.exercises import EXERCISES
@@ -46,6 +46,7 @@ class Grade:
     reason: str
     results: tuple[CaseResult, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)  # what else the learner should know
+    isolation: str = ""  # how the submission's process was isolated (sandbox.ProcessOutcome)
 
     @property
     def counted(self) -> bool:
@@ -123,16 +124,18 @@ def read_outcome(folder: Path, prepared: Prepared, outcome: sandbox.ProcessOutco
     except (wire.WireError, OSError) as exc:
         reason = f"the grading process {ended} without a readable result ({exc})"
         tail = outcome.output_tail.strip()
-        return not_run(prepared, CRASHED, reason, (f"its last output:\n{tail}",) if tail else ())
+        crashed = not_run(prepared, CRASHED, reason, (f"its last output:\n{tail}",) if tail else ())
+        return dataclasses.replace(crashed, isolation=outcome.isolation)
     undefined = [f"the notebook defines no {', '.join(f'`{name}`' for name in missing)}"] if missing else []
     notes = tuple(undefined + [failure.describe() for failure in cell_failures])
     if violations:
+        status = NOT_ALLOWED
         reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
-        return Grade(prepared.exercise, NOT_ALLOWED, reason, tuple(results), notes)
-    if result.get("done") is not True:
-        reason = f"the grading process {ended} during {running}"
-        return Grade(prepared.exercise, INCOMPLETE, reason, tuple(results), notes)
-    return Grade(prepared.exercise, GRADED, summary(results, notes), tuple(results), notes)
+    elif result.get("done") is not True:
+        status, reason = INCOMPLETE, f"the grading process {ended} during {running}"
+    else:
+        status, reason = GRADED, summary(results, notes)
+    return Grade(prepared.exercise, status, reason, tuple(results), notes, outcome.isolation)
 
 
 def summary(results: list[CaseResult], notes: tuple[str, ...]) -> str:
@@ -145,56 +148,39 @@ def summary(results: list[CaseResult], notes: tuple[str, ...]) -> str:
     return "; ".join(([notes[0]] if notes else []) + ([tests] if tests else []))
 
 
+def _renamed(path: Path, exercise: Exercise) -> str:
+    """A hint when the notebook is missing: one next to it that looks like it, renamed."""
+    others = {Path(e.notebook).name for e in EXERCISES.values()}
+    try:
+        nearby = sorted(p.name for p in path.parent.iterdir() if p.suffix == ".ipynb" and p.name not in others)
+    except OSError:
+        return ""
+    close = [n for n in nearby if n.startswith(exercise.id)] or difflib.get_close_matches(path.name, nearby, 1, 0.75)
+    return f"; found {close[0]!r}: rename it {path.name}" if close else ""
+
+
 def grade_notebook(path: Path, prepared: Prepared, limits: sandbox.Limits = sandbox.Limits()) -> Grade:
+    if path.is_symlink():
+        return not_run(prepared, INVALID, f"{prepared.exercise.notebook} is a symbolic link, not a notebook")
+    if path.is_dir():
+        return not_run(prepared, INVALID, f"{prepared.exercise.notebook} is a folder, not a notebook")
     if not path.exists():
-        return not_run(prepared, MISSING, f"no {prepared.exercise.notebook} was submitted")
+        return not_run(prepared, MISSING, f"no {prepared.exercise.notebook} was submitted{_renamed(path, prepared.exercise)}")
     try:
         submitted = notebook.load(path)
     except notebook.NotebookError as exc:
         return not_run(prepared, INVALID, str(exc))
+    changed = tuple(f"changed from the release: {finding}"
+                    for finding in integrity.findings(submitted, integrity.released_notebook(prepared.exercise)))
     cells = extract.code_cells(submitted)
     violations = forbidden.scan([(cell.label, cell.source) for cell in cells], prepared.exercise.not_allowed)
     if violations:
         reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
-        return not_run(prepared, NOT_ALLOWED, reason)
+        return not_run(prepared, NOT_ALLOWED, reason, changed)
     with tempfile.TemporaryDirectory(prefix="autograde-") as scratch:
         work = Path(scratch) / "work"
         work.mkdir()
         write_job(work, prepared, cells, limits)
         outcome = sandbox.run_worker(Path(scratch), limits, prepared.exercise.env)
-        return read_outcome(work, prepared, outcome, limits)
-
-
-def students_in(submitted: Path) -> list[str]:
-    return sorted(p.name for p in submitted.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def exercises_for(submitted: Path, students: list[str], assignments: list[str] | None) -> list[Exercise]:
-    """The exercises of the chosen assignments, by default of those that any student submitted."""
-    if assignments is None:
-        present = {p.name for student in students for p in (submitted / student).iterdir() if p.is_dir()}
-        chosen = [e for e in EXERCISES.values() if e.assignment in present]
-        return chosen or list(EXERCISES.values())
-    unknown = set(assignments) - {e.assignment for e in EXERCISES.values()}
-    if unknown:
-        raise ValueError(f"unknown assignment(s): {', '.join(sorted(unknown))}")
-    return [e for e in EXERCISES.values() if e.assignment in assignments]
-
-
-def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
-              assignments: list[str] | None = None, progress: bool = True) -> list[tuple[str, Grade]]:
-    """Grade `<submitted>/<student>/<assignment>/<exercise>.ipynb` for every student and exercise.
-
-    One worker process per (student, exercise), `jobs` of them at a time.
-    """
-    students = students_in(submitted)
-    prepared = [prepare(exercise, seed) for exercise in exercises_for(submitted, students, assignments)]
-    tasks = [(student, p) for student in students for p in prepared]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(grade_notebook, submitted / student / p.exercise.notebook, p, limits)
-                   for student, p in tasks]
-        with tqdm(total=len(futures), unit="notebook", disable=not progress) as bar:
-            for future in futures:  # in order; the bar moves as each one is done
-                future.add_done_callback(lambda _: bar.update())
-            grades = [future.result() for future in futures]
-    return [(student, grade) for (student, _), grade in zip(tasks, grades)]
+        graded = read_outcome(work, prepared, outcome, limits)
+    return dataclasses.replace(graded, notes=graded.notes + changed)

@@ -30,7 +30,8 @@ def load(path: Path) -> nbformat.NotebookNode:
     if size == 0:
         raise NotebookError(f"{path.name} is empty (0 bytes)")
     if size > MAX_BYTES:
-        raise NotebookError(f"{path.name} is {size / 2**20:.0f} MiB, more than the {MAX_BYTES // 2**20} MiB allowed")
+        raise NotebookError(f"{path.name} is {size / 2**20:.0f} MiB, more than the {MAX_BYTES // 2**20} MiB allowed "
+                            f"(clear its outputs: Edit > Clear Outputs of All Cells, then save)")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
@@ -39,10 +40,13 @@ def load(path: Path) -> nbformat.NotebookNode:
         raise NotebookError(
             f"{path.name} is not a notebook: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
         ) from None
+    except (ValueError, RecursionError) as exc:  # a number too long to read, or nesting too deep
+        raise NotebookError(f"{path.name} is not a notebook: its JSON cannot be read ({type(exc).__name__})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         raise NotebookError(f"{path.name} is JSON but not a notebook (it has no list of cells)")
     if data.get("nbformat") != 4:
-        raise NotebookError(f"{path.name} has nbformat {data.get('nbformat')!r}; version 4 is needed")
+        raise NotebookError(f"{path.name} has nbformat {str(data.get('nbformat'))[:20]!r}; version 4 is needed "
+                            f"(open it in Jupyter and save it)")
     for number, cell in enumerate(data["cells"], 1):
         if not isinstance(cell, dict) or cell.get("cell_type") not in CELL_TYPES:
             raise NotebookError(f"{path.name}: cell {number} is not a code, markdown or raw cell")

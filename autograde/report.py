@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import io
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,14 +57,30 @@ def grade_text(grade: Grade, seed: int) -> str:
     return "\n".join(lines)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Whole or not at all: written beside, flushed to disk, then renamed over."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w", newline="", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    partial.replace(path)
+
+
+def cell(text: str) -> str:
+    """Text a spreadsheet shows as text: never read as a formula (=, +, -, @ first)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
 def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
     """One row per (student, exercise)."""
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(CSV_COLUMNS)
-        for student, grade in rows:
-            writer.writerow([student, grade.exercise.id, points(grade.score), points(grade.max_score),
-                             grade.status, grade.reason, seed])
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(CSV_COLUMNS)
+    for student, grade in rows:
+        writer.writerow([cell(student), grade.exercise.id, points(grade.score), points(grade.max_score),
+                         grade.status, cell(grade.reason), seed])
+    write_atomically(path, text.getvalue())
 
 
 def _markdown_problems(result: CaseResult) -> list[str]:

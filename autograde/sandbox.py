@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.forkserver import serve; serve()"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
+WEAKER_ISOLATION = ("submissions ran as processes of your own user, able to read and change what it can; "
+                    "run the grader as root for namespaces and an unprivileged uid per submission")
 SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader stops waiting
 
 
@@ -183,6 +185,11 @@ class ForkServer:
             return {"returncode": None, "note": "the fork server did not answer in time"}
         return box[0]
 
+    def kill(self) -> None:
+        """Stop at once; the submissions' processes die with it (each dies with its parent)."""
+        self._process.kill()
+        self._process.wait()
+
     def close(self) -> None:
         if self.alive:
             self._process.stdin.close()
@@ -208,3 +215,9 @@ def fork_server() -> ForkServer:
 
 def run_worker(folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
     return fork_server().run(folder, limits, env)
+
+
+def stop_fork_server() -> None:
+    with _shared_lock:
+        if _shared is not None:
+            _shared.kill()

@@ -1,6 +1,6 @@
 """What runs inside the sandboxed process: the submission's cells, then each test case's probe.
 
-Started by `sandbox.run_worker` in a scratch folder holding `job.json` and the input arrays.
+Run by the fork server (`forkserver.py`) in a scratch folder holding `job.json` and the input arrays.
 It writes `result.json` (and the arrays it names) after every step, so that the grading
 process knows how far it got if the submission ends or hangs the process. Everything this
 process writes is untrusted: the submission runs here and could change any of it.
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import builtins
 import linecache
+import random
 import signal
 from pathlib import Path
 
+import numpy
 import torch
 
 from autograde import exercises
@@ -64,6 +66,8 @@ def main(folder: Path) -> None:
     out = folder / "out"
     out.mkdir()
     torch.set_num_threads(1)
+    for seeded in (random.seed, numpy.random.seed, torch.manual_seed):  # unseeded randomness repeats
+        seeded(0)
     signal.signal(signal.SIGALRM, _alarm)
     result = {"running": None, "cells": [], "missing": [], "cases": {}, "violations": [], "done": False}
     tripwire = Tripwire(exercise.not_allowed)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autograde import grade, sandbox, wire
+from autograde import batch, grade, sandbox, wire
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
@@ -51,7 +51,7 @@ def grades(tmp_path_factory) -> dict[str, grade.Grade]:
     submitted = tmp_path_factory.mktemp("hostile")
     for student, (exercise_id, answers) in SUBMISSIONS.items():
         write(learner_notebook(exercise_id, answers), submitted / student / "attention" / f"{exercise_id}.ipynb")
-    rows = grade.grade_all(submitted, SEED, jobs=2, limits=LIMITS, progress=False)
+    rows = batch.grade_all(submitted, SEED, jobs=2, limits=LIMITS, progress=False)
     mine = {student: exercise_id for student, (exercise_id, _) in SUBMISSIONS.items()}
     return {student: g for student, g in rows if g.exercise.id == mine[student]}
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autograde import exercises, grade, reference
+from autograde import batch, exercises, grade, reference
 from autograde.cases import build_inputs
 from autograde.exercises.kv_cache import given_module
 from tests.fixtures.implementations import Variant, fs, variant_id
@@ -37,7 +37,7 @@ def test_the_solutions_score_full_marks_and_the_release_scores_0(tmp_path: Path)
     submitted = tmp_path / "submitted"
     shutil.copytree(ROOT / "solutions" / "gqa", submitted / "ada" / "gqa")
     shutil.copytree(ROOT / "exercises" / "gqa", submitted / "bert" / "gqa")
-    rows = grade.grade_all(submitted, SEED, jobs=2, assignments=["gqa"], progress=False)
+    rows = batch.grade_all(submitted, SEED, jobs=2, assignments=["gqa"], progress=False)
     scores = {(student, g.exercise.id): (g.status, g.score, g.max_score) for student, g in rows}
     assert scores == {
         ("ada", "gqa"): ("graded", 10, 10), ("ada", "kv_cache"): ("graded", 10, 10),
