@@ -1,4 +1,4 @@
-"""`python -m autograde release | grade`: the instructor's commands."""
+"""`python -m autograde release | grade | gradescope`: the instructor's commands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from autograde import batch, exercises, grade, journal, release, report, sandbox
+from autograde import batch, exercises, grade, gradescope, journal, release, report, sandbox
 from autograde.nbgrader_tests import SEED_VARIABLE
 
 
@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     grading.add_argument("--resume", action="store_true",
                          help="go on with the run recorded in --out: grade only the notebooks not yet "
                               "recorded (or changed since), with the run's seed")
+    gradescope.add_arguments(commands.add_parser(
+        "gradescope", help="build a Gradescope autograder zip (see autograde/DEPLOYING.md)"))
     args = parser.parse_args(argv)
+
+    if args.command == "gradescope":
+        return gradescope.run_from_args(args)
 
     if args.command == "release":
         for path in release.release():
