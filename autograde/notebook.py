@@ -45,7 +45,9 @@ def load(path: Path) -> nbformat.NotebookNode:
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         raise NotebookError(f"{path.name} is JSON but not a notebook (it has no list of cells)")
     if data.get("nbformat") != 4:
-        raise NotebookError(f"{path.name} has nbformat {str(data.get('nbformat'))[:20]!r}; version 4 is needed "
+        version = data.get("nbformat")
+        shown = version if isinstance(version, int) and abs(version) < 1000 else str(version)[:20]
+        raise NotebookError(f"{path.name} has nbformat {shown!r}; version 4 is needed "
                             f"(open it in Jupyter and save it)")
     for number, cell in enumerate(data["cells"], 1):
         if not isinstance(cell, dict) or cell.get("cell_type") not in CELL_TYPES:

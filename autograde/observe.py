@@ -113,13 +113,17 @@ class Failure:
 
 
 def observe_tensor(tensor: torch.Tensor) -> TensorValue | OtherValue:
-    data = tensor.detach().cpu()
-    data = data.to(_WIDENED.get(data.dtype, data.dtype))
     try:
-        array = data.numpy()
+        data = torch.Tensor.detach(tensor).cpu()
+        dtype, device = data.dtype, torch.Tensor.detach(tensor).device.type
+        array = data.to(_WIDENED.get(dtype, dtype)).numpy()
     except TypeError:
         return OtherValue(f"Tensor of {tensor.dtype}")
-    return TensorValue(tuple(array.shape), str(tensor.dtype), tensor.device.type, array)
+    except Exception:  # not a tensor at all, whatever its __class__ says
+        return OtherValue("object posing as a Tensor")
+    if type(array) is not np.ndarray:
+        return OtherValue("object posing as a Tensor")
+    return TensorValue(tuple(array.shape), str(dtype), device, array)
 
 
 def observe(outputs: dict) -> dict[str, Any]:

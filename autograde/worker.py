@@ -93,8 +93,8 @@ def main(folder: Path) -> None:
             inputs = decode_inputs(case_job["inputs"], folder)
             try:
                 observed = time_limited(seconds, run_probe, exercise.case(name).probe, namespace, inputs)
-            except BaseException as exc:  # a timeout, or a SystemExit from the submission
-                observed = case_failure(exc, seconds)
-            result["cases"][name] = encode_observations(observed, out, f"case{index}")
+                result["cases"][name] = encode_observations(observed, out, f"case{index}")
+            except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
+                result["cases"][name] = encode_observations(case_failure(exc, seconds), out, f"case{index}")
     result["done"] = True
     save(None)

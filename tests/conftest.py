@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.implementations import REFERENCE_LOAD
+from tests.fixtures.implementations import MHA_WRONG, REFERENCE_LOAD
 from tests.fixtures.notebooks import ROOT, SEED, learner_notebook, write
 
 # The class graded by `python -m autograde grade`; nbgrader grades the first three too.
@@ -21,8 +21,9 @@ CLASS_EXPECTED = {
     "cleo": {"sdpa": (8.5, "graded"), "mha": (8.5, "graded")},           # partly wrong
     "dan": {"sdpa": (0, "invalid"), "mha": (0, "missing")},              # not JSON; nothing else
     "eve": {"sdpa": (0, "invalid"), "mha": (0, "not allowed")},          # empty; calls the module
+    "fay": {"sdpa": (10, "graded"), "mha": (0, "not allowed")},          # hides a call from the scan
 }
-NBGRADER_STUDENTS = ("ada", "bert", "cleo")
+NBGRADER_STUDENTS = ("ada", "bert", "cleo", "fay")
 
 
 def write_class(submitted: Path) -> None:
@@ -46,6 +47,9 @@ def write_class(submitted: Path) -> None:
         "    return module", "    torch_mha(torch.zeros(1, 1, torch_mha.embed_dim), torch.zeros(1, 1, "
                             "torch_mha.embed_dim), torch.zeros(1, 1, torch_mha.embed_dim))\n    return module")}),
         notebook("eve", "mha"))
+    write(learner_notebook("sdpa"), notebook("fay", "sdpa"))
+    hidden = next(v for v in MHA_WRONG if v.name == "hides-torch-sdpa-behind-getattr")
+    write(learner_notebook("mha", hidden.answers), notebook("fay", "mha"))
 
 
 @dataclass(frozen=True)
