@@ -48,15 +48,16 @@ def _limits(limits: dict, processes: int) -> None:
         resource.setrlimit(which, value)
 
 
-def _user_processes(uid: int) -> list[int]:
-    found = []
+def _user_processes(uid: int) -> dict[int, int]:
+    """The processes of `uid`, each with its number of threads (what RLIMIT_NPROC counts)."""
+    found = {}
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uids = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
-        except (OSError, StopIteration):
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
             continue
-        if int(uids.split()[1]) == uid:
-            found.append(int(status.parent.name))
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            found[int(status.parent.name)] = int(fields.get("Threads", "1"))
     return found
 
 
@@ -75,8 +76,8 @@ def _run_submission(request: dict) -> None:
         os.dup2(output, 2)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         processes = request["limits"]["extra_processes"]
-        if uid is None:
-            processes += len(_user_processes(os.getuid()))
+        if uid is None:  # the limit counts every process of the user
+            processes += sum(_user_processes(os.getuid()).values())
         _limits(request["limits"], processes)
         if uid is not None:
             isolation.drop_privileges(uid)
@@ -86,7 +87,7 @@ def _run_submission(request: dict) -> None:
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        worker.main(work)
+        worker.main(Path("."))  # relative: its folder's parents may be closed to its uid
         sys.stdout.flush()
         os._exit(0)
     except BaseException:

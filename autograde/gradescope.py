@@ -303,7 +303,8 @@ def grade_submission(root: Path) -> dict:
     out = root / "results" / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\n{report.points(results['score'])} points; wrote {out}")
+    isolation = sorted({g.isolation for g, _ in grades if g.isolation})
+    print(f"\n{report.points(results['score'])} points; wrote {out}; isolation: {', '.join(isolation) or 'none ran'}")
     return results
 
 

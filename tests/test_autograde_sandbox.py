@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +172,60 @@ def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tm
     assert facts["course"] == [".venv", "autograde"] or facts["course"] == ["autograde"]
     assert "home" not in facts["root"] and "work" in facts["root"] or "mnt" not in facts["root"]
     assert facts["network"] == "Network is unreachable"
+
+
+LEAVE_A_DAEMON = """
+import ctypes, json, os, resource, time
+if os.fork() == 0:  # a daemon: a new session, a second fork, then sleep past the grading
+    os.setsid()
+    if os.fork() == 0:
+        ctypes.CDLL(None).prctl(15, MARKER.encode(), 0, 0, 0)
+        open("daemon-started", "w").close()
+        time.sleep(60)
+    os._exit(0)
+time.sleep(0.5)
+json.dump({"uid": os.getuid(), "processes": resource.getrlimit(resource.RLIMIT_NPROC)[0]}, open("facts.json", "w"))
+"""
+
+WITHOUT_NAMESPACES = """
+import sys
+from pathlib import Path
+from autograde import sandbox
+outcome = sandbox.run_worker(Path(sys.argv[1]), sandbox.Limits(wall_seconds=30, extra_processes=16))
+print(outcome.returncode, outcome.isolation, outcome.note, sep="|")
+"""
+
+
+def processes_named(name: str) -> list[int]:
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == name:
+                found.append(int(comm.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_where_namespaces_are_refused_each_submission_still_gets_its_own_uid_and_leaves_nothing(tmp_path: Path):
+    """As in a container without CAP_SYS_ADMIN (Gradescope's, Docker's default)."""
+    marker = f"agdaemon{os.getpid() % 10**6}"
+    work = tmp_path / "work"
+    work.mkdir()
+    cell = f"MARKER = {marker!r}\n" + LEAVE_A_DAEMON
+    wire.write_json(work / "job.json", {"exercise": "sdpa", "cell_seconds": 10, "cells": [[1, cell]], "cases": []})
+    try:
+        process = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", sys.executable, "-c", WITHOUT_NAMESPACES,
+                                  str(tmp_path)], cwd=sandbox.ROOT, capture_output=True, text=True, timeout=100)
+        returncode, isolation, note = process.stdout.strip().splitlines()[-1].split("|")
+        survivors = processes_named(marker)
+    finally:
+        for pid in processes_named(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert (returncode, isolation) == ("0", "session+uid"), process.stderr[-2000:]
+    assert "no namespaces" in note and "Operation not permitted" in note
+    facts = json.loads((work / "facts.json").read_text())
+    assert facts == {"uid": sandbox.FIRST_UID, "processes": 16}
+    assert (work / "daemon-started").exists() and survivors == []
