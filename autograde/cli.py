@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import signal
 import sys
 from pathlib import Path
 
 from autograde import batch, exercises, grade, gradescope, journal, release, report, sandbox
-from autograde.nbgrader_tests import SEED_VARIABLE
-
-
-def choose_seed(given: int | None) -> int:
-    if given is not None:
-        return given
-    if os.environ.get(SEED_VARIABLE):
-        return int(os.environ[SEED_VARIABLE])
-    return secrets.randbelow(2**32)
+from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
 
 
 def exercise_of(path: Path):

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograde import extract, forbidden, integrity, notebook, reference, sandbox, wire
+from autograde import extract, forbidden, integrity, notebook, reference, report, sandbox, wire
 from autograde.cases import Case, Exercise, Inputs, build_inputs
 from autograde.compare import CaseResult, compare
 from autograde.exercises import EXERCISES
@@ -170,7 +170,7 @@ def grade_notebook(path: Path, prepared: Prepared, limits: sandbox.Limits = sand
         submitted = notebook.load(path)
     except notebook.NotebookError as exc:
         return not_run(prepared, INVALID, str(exc))
-    changed = tuple(f"changed from the release: {finding}"
+    changed = tuple(f"{report.CHANGED}{finding}"
                     for finding in integrity.findings(submitted, integrity.released_notebook(prepared.exercise)))
     cells = extract.code_cells(submitted)
     violations = forbidden.scan([(cell.label, cell.source) for cell in cells], prepared.exercise.not_allowed)

@@ -25,7 +25,6 @@ import html
 import json
 import os
 import re
-import secrets
 import stat
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 from autograde import grade, notebook, report
 from autograde.cases import Exercise
 from autograde.exercises import EXERCISES
-from autograde.nbgrader_tests import SEED_VARIABLE
+from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
 
 PACKAGE = Path(__file__).resolve().parent
 COURSE = PACKAGE.parent  # the course's folder; in the container, /autograder/source
@@ -54,14 +53,6 @@ MAX_NOTES = 8  # per exercise, in the summary
 
 
 # Building the zip.
-
-def choose_seed(given: int | None) -> int:
-    if given is not None:
-        return given
-    if os.environ.get(SEED_VARIABLE):
-        return int(os.environ[SEED_VARIABLE])
-    return secrets.randbelow(2**32)
-
 
 def chosen_assignments(assignments: list[str] | None) -> list[str]:
     """The assignments to grade, in the course's order; all of them by default."""

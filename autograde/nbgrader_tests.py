@@ -21,6 +21,15 @@ from autograde.self_check import run_in_process
 SEED_VARIABLE = "AUTOGRADE_SEED"
 
 
+def choose_seed(given: int | None) -> int:
+    """The instructor's seed: the one given, else $AUTOGRADE_SEED, else a fresh random one."""
+    if given is not None:
+        return given
+    if os.environ.get(SEED_VARIABLE):
+        return int(os.environ[SEED_VARIABLE])
+    return secrets.randbelow(2**32)
+
+
 def hidden_seed() -> int:
     value = os.environ.get(SEED_VARIABLE)
     if value is not None:

@@ -14,7 +14,8 @@ from autograde.forbidden import Violation
 if TYPE_CHECKING:
     from autograde.grade import Grade
 
-CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed")
+CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release")
+CHANGED = "changed from the release: "  # how grade.py starts the notes on nbgrader cells that were tampered with
 
 
 def points(value: float) -> str:
@@ -78,8 +79,9 @@ def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
     writer = csv.writer(text)
     writer.writerow(CSV_COLUMNS)
     for student, grade in rows:
+        changed = [note.removeprefix(CHANGED) for note in grade.notes if note.startswith(CHANGED)]
         writer.writerow([cell(student), grade.exercise.id, points(grade.score), points(grade.max_score),
-                         grade.status, cell(grade.reason), seed])
+                         grade.status, cell(grade.reason), seed, cell("; ".join(changed))])
     write_atomically(path, text.getvalue())
 
 

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_grading_a_class_exits_0_and_writes_one_row_per_student_and_exercise(class_grades):
     assert class_grades.returncode == 0, class_grades.stderr
-    assert list(class_grades.rows[0]) == ["student", "exercise", "score", "max_score", "status", "reason", "seed"]
+    assert list(class_grades.rows[0]) == ["student", "exercise", "score", "max_score", "status", "reason", "seed",
+                                          "changed_from_release"]
     pairs = [(r["student"], r["exercise"]) for r in class_grades.rows]
     assert sorted(pairs) == sorted((s, e) for s in CLASS_EXPECTED for e in ("sdpa", "mha"))
     assert {r["max_score"] for r in class_grades.rows} == {"10"}
