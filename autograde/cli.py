@@ -60,7 +60,7 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
     print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}: "
           f"{out / 'grades.csv'}, {feedback}/")
     print(f"isolation: {', '.join(isolation) or 'no notebook ran'}"
-          + ("" if isolation in ([], ["namespaces+uid"]) else f" ({sandbox.WEAKER_ISOLATION})"))
+          + ("" if isolation in ([], [sandbox.FULL_ISOLATION]) else f" ({sandbox.WEAKER_ISOLATION})"))
     return 0
 
 

@@ -2,15 +2,17 @@
 
 Started once per grading run by `sandbox.ForkServer`, it imports torch, numpy, triton and the
 grader's worker, and nothing of any submission. Each request (a JSON line on stdin) forks a
-*supervisor*, which puts itself in new namespaces and forks the *submission process*: the
-first process of a new PID namespace, in a private root filesystem (`isolation.private_root`),
-under an unprivileged uid, with resource limits, running `worker.main`. The supervisor waits
-for it against the wall clock, kills it (and with it the whole namespace) and writes how it
-ended to a pipe; the server sends that back as a JSON line on stdout.
+*supervisor*, which makes a cgroup, enters new namespaces and forks the first process of a new
+PID namespace; that one joins the cgroup, makes a private root filesystem
+(`isolation.private_root`) and forks the *submission's process*, which runs `worker.main`
+under an unprivileged uid with resource limits. The supervisor waits for it against the wall
+clock, kills it (and with it the whole namespace), kills whatever is left in its cgroup or
+runs under its uid, and writes how it ended to a pipe; the server sends that back as a JSON
+line on stdout.
 
-Without root, or where the kernel refuses namespaces, the submission runs in a new session
-with the same limits and the supervisor kills its process group and, when it had its own
-uid, every process of that uid; the reply says which isolation was in force.
+Without root, or where the kernel refuses namespaces or cgroups, the submission runs in a new
+session with the same rlimits, and the supervisor kills its process group and, when it had its
+own uid or cgroup, every process of those; the reply says which isolation was in force.
 """
 
 from __future__ import annotations
@@ -98,13 +100,15 @@ def _run_submission(request: dict) -> None:
             os._exit(70)
 
 
-def _contain(request: dict, namespaces: bool, status_pipe: int) -> None:
+def _contain(request: dict, namespaces: bool, group: isolation.Cgroup | None, status_pipe: int) -> None:
     """The first process of the new PID namespace: set up the private root filesystem, start
     the submission's process, wait for it, and write its wait status. Never returns.
 
     When it exits, the kernel kills every other process in the namespace."""
     try:
         isolation.die_with_parent()
+        if group is not None:
+            group.join()
         if namespaces:
             isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]))
         else:
@@ -135,17 +139,18 @@ def _wait(pid: int, deadline: float) -> int | None:
         time.sleep(0.01)
 
 
-def _kill_escapes(group: int, uid: int | None) -> None:
-    """Without namespaces: the submission's process group, and every process of its own uid."""
+def _kill_all(first: int, uid: int | None, group: isolation.Cgroup | None) -> None:
+    """Whatever the submission started, wherever it went: its cgroup's processes, its process
+    group, and every process of its uid; until none is left (a fork may race a kill)."""
     try:
-        os.killpg(group, signal.SIGKILL)
+        os.killpg(first, signal.SIGKILL)
     except OSError:
         pass
-    for _ in range(100 if uid is not None else 0):  # escapes into new sessions, until none is left
-        escaped = _user_processes(uid)
-        if not escaped:
+    for _ in range(100):
+        left = (group.processes() if group else set()) | (set(_user_processes(uid)) if uid is not None else set())
+        if not left:
             return
-        for pid in escaped:
+        for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -157,38 +162,43 @@ def _supervise(request: dict, report: int) -> None:
     """The supervisor: between the server and the submission. Never returns."""
     isolation.die_with_parent()
     os.setsid()
-    uid, namespaces, note = request["uid"], False, ""
+    uid, namespaces, group, notes = request["uid"], False, None, []
     if os.getuid() == 0:
         try:
             isolation.unshare(isolation.NAMESPACES)
             namespaces = True
         except OSError as exc:
-            note = f"no namespaces ({exc})"
+            notes.append(f"no namespaces ({exc})")
+        limits = request["limits"]
+        try:
+            group = isolation.Cgroup(f"autograde-{os.getpid()}", limits["memory_bytes"],
+                                     limits["extra_processes"] + 2, limits["cpus"])
+        except OSError as exc:
+            notes.append(f"no cgroup ({exc})")
     else:
-        note = "not root: same uid as the grader, no namespaces"
+        notes.append("not root: same uid as the grader, no namespaces")
     deadline = time.monotonic() + request["limits"]["wall_seconds"]
     status_read, status_write = os.pipe()
     first = os.fork()
     if first == 0:
         os.close(report)
         os.close(status_read)
-        _contain(request, namespaces, status_write)
+        _contain(request, namespaces, group, status_write)
     os.close(status_write)
     ended = _wait(first, deadline)
     if ended is None:
         os.kill(first, signal.SIGKILL)  # as the namespace's first process, it takes all others with it
         os.waitpid(first, 0)
-    if not namespaces:
-        _kill_escapes(first, uid)
+    _kill_all(first, uid, group)
+    if group is not None:
+        group.remove()
     status = os.read(status_read, 64).decode() if ended is not None else ""
-    kind = ("namespaces" if namespaces else "session") + ("+uid" if uid is not None else "")
-    outcome = {
-        "returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None,
-        "isolation": kind, "note": note,
-    }
+    kind = "+".join(["namespaces" if namespaces else "session"] + ["uid"] * (uid is not None) + ["cgroup"] * bool(group))
+    outcome = {"returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None, "isolation": kind}
     if ended is not None and not status.isdigit():
-        outcome["note"] = (note + "; " if note else "") + "the namespace's first process ended unexpectedly"
+        notes.append("the first process of the submission's tree was killed (out of memory?)")
         outcome["returncode"] = os.waitstatus_to_exitcode(ended)
+    outcome["note"] = "; ".join(notes)
     os.write(report, json.dumps(outcome).encode())
     os._exit(0)
 

@@ -5,8 +5,9 @@ scrubbed environment) that has imported torch once; every submission is a proces
 forked from it, isolated and limited as that module describes: resource limits (CPU time,
 address space, file size, open files, processes), a wall-clock limit, and at the end the
 whole tree killed. Running as root, each tree also gets new PID, mount, network and IPC
-namespaces, a private read-only root filesystem and its own unprivileged uid, so that the
-process-count limit applies and nothing outside its scratch folder can be read or changed.
+namespaces, a private read-only root filesystem, its own unprivileged uid (so that the
+process-count limit applies and nothing outside its scratch folder can be read or changed)
+and its own cgroup (memory, processes and CPU for the whole tree).
 `ProcessOutcome.isolation` says which of these was in force.
 
 A grading job's folder holds `work/` (the job and, after the run, the results: everything in
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.forkserver import serve; serve()"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
+FULL_ISOLATION = "namespaces+uid+cgroup"
 WEAKER_ISOLATION = ("submissions ran as processes of your own user, able to read and change what it can; "
                     "run the grader as root for namespaces and an unprivileged uid per submission")
 SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader stops waiting
@@ -47,13 +49,14 @@ class Limits:
     extra_processes: int = 64  # processes and threads; without root, on top of the user's own
     cell_seconds: float = 60.0  # one cell of the notebook
     case_seconds: float | None = None  # one test, if less than the test's own limit
+    cpus: float = 1.0  # the whole tree's share of the CPU, where a cgroup can be made
 
 
 @dataclass(frozen=True)
 class ProcessOutcome:
     returncode: int | None  # None when it was stopped at the wall-clock limit
     output_tail: str
-    isolation: str = ""  # "namespaces+uid" when fully isolated; see forkserver.py
+    isolation: str = ""  # FULL_ISOLATION when fully isolated; see forkserver.py
     note: str = ""  # why the isolation is less than full, if it is
 
     @property

@@ -165,7 +165,7 @@ def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tm
     if os.getuid() != 0:
         assert outcome.isolation == "session"
         return
-    assert outcome.isolation == "namespaces+uid", outcome.note
+    assert outcome.isolation == sandbox.FULL_ISOLATION, outcome.note
     assert facts["uid"] >= sandbox.FIRST_UID
     assert facts["limits"]["RLIMIT_NPROC"] == LIMITS.extra_processes
     assert facts["pid"] == 2 and [p for p in facts["processes"] if p.isdigit()] == ["1", "2"]
@@ -224,8 +224,41 @@ def test_where_namespaces_are_refused_each_submission_still_gets_its_own_uid_and
     finally:
         for pid in processes_named(marker):
             os.kill(pid, signal.SIGKILL)
-    assert (returncode, isolation) == ("0", "session+uid"), process.stderr[-2000:]
+    assert (returncode, isolation) == ("0", "session+uid+cgroup"), process.stderr[-2000:]
     assert "no namespaces" in note and "Operation not permitted" in note
     facts = json.loads((work / "facts.json").read_text())
     assert facts == {"uid": sandbox.FIRST_UID, "processes": 16}
     assert (work / "daemon-started").exists() and survivors == []
+
+
+FILL_MEMORY_FROM_SIX_PROCESSES = """
+import json, os, time
+import numpy as np
+children = []
+for n in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = np.ones(2**27)  # 1 GiB, written
+        time.sleep(3)
+        os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+json.dump({"held": sum(s == 0 for s in statuses), "cgroup": open("/proc/self/cgroup").read()}, open("facts.json", "w"))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.getuid() != 0, reason="cgroups need root")
+def test_the_memory_limit_holds_for_the_whole_process_tree(tmp_path: Path):
+    """Six processes of 1 GiB each, under a 4 GiB limit: each process alone is within its address
+    space, the tree is not, and the tree is what counts. (Without the cgroup all six would hold.)"""
+    work = tmp_path / "work"
+    work.mkdir()
+    wire.write_json(work / "job.json", {"exercise": "sdpa", "cell_seconds": 60,
+                                        "cells": [[1, FILL_MEMORY_FROM_SIX_PROCESSES]], "cases": []})
+    limits = sandbox.Limits(wall_seconds=90, memory_bytes=4 * 2**30)
+    outcome = sandbox.run_worker(tmp_path, limits)
+    assert outcome.isolation == sandbox.FULL_ISOLATION and outcome.returncode == 0, outcome.output_tail
+    facts = json.loads((work / "facts.json").read_text())
+    assert "memory:/autograde-" in facts["cgroup"]
+    assert 1 <= facts["held"] <= 3
