@@ -92,23 +92,24 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     stopping = threading.Event()
     grades: dict[tuple[str, str], Grade] = journal.grades() if journal else {}
 
-    def row(student: str, p: Prepared) -> None:
-        print_ = fingerprint(submitted / student / p.exercise.notebook)
+    def row(student: str, p: Prepared, print_: str) -> None:
         result = grade_one(submitted, student, p, limits, twins.get(student))
         if not stopping.is_set():
             grades[student, p.exercise.id] = result
             if journal:
                 journal.record(student, print_, result)
 
-    tasks = [(student, p) for student in students for p in prepared
-             if recorded.get((student, p.exercise.id)) != fingerprint(submitted / student / p.exercise.notebook)]
+    prints = {(student, p.exercise.id): fingerprint(submitted / student / p.exercise.notebook)
+              for student in students for p in prepared}
+    tasks = [(student, p, prints[student, p.exercise.id]) for student in students for p in prepared
+             if recorded.get((student, p.exercise.id)) != prints[student, p.exercise.id]]
     if recorded:
         print(f"{len(students) * len(prepared) - len(tasks)} notebooks already recorded; grading {len(tasks)}",
               file=sys.stderr)
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     try:
         with tqdm(total=len(tasks), unit="notebook", disable=not progress) as bar:
-            futures = [pool.submit(row, student, p) for student, p in tasks]
+            futures = [pool.submit(row, *task) for task in tasks]
             for future in futures:
                 future.add_done_callback(lambda _: bar.update())
             for future in futures:

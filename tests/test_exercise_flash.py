@@ -85,19 +85,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, 
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 """
 
-TORCH_INSTEAD_OF_TRITON = """
-def flash_attention_triton(q, k, v, causal=False):
-    L, S = q.shape[-2], k.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        visible = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
-        scores = scores.masked_fill(~visible, -math.inf)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    shift = torch.where(row_max == -math.inf, 0.0, row_max)
-    exps = torch.exp(scores - shift)
-    total = exps.sum(dim=-1, keepdim=True)
-    return (exps @ v) / torch.where(total > 0, total, 1.0), (shift + torch.log(total)).squeeze(-1)
-"""
+TORCH_INSTEAD_OF_TRITON = FULL_MATRIX_FORWARD.replace(
+    "def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):",
+    "def flash_attention_triton(q, k, v, causal=False):")
 
 WRONG = [
     Variant("no-accumulator-rescale", "flash_forward", {"flash_attention_forward": replaced(
