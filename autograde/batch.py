@@ -8,21 +8,21 @@ bytes) are not graded again, and an interrupted run stops without recording a ha
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
-import threading
 import traceback
 import unicodedata
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from tqdm import tqdm
 
 from autograde import sandbox
-from autograde.exercises import EXERCISES
-from autograde.grade import CRASHED, INVALID, Grade, Prepared, grade_notebook, not_run, prepare
+from autograde.registry import EXERCISES
 from autograde.cases import Exercise
-from autograde.journal import Journal, fingerprint
+from autograde.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
+from autograde.journal import Journal, fingerprint, from_json, to_json
 
 
 def students_in(submitted: Path) -> list[str]:
@@ -60,21 +60,27 @@ def _link_on_the_way(submitted: Path, student: str, exercise: Exercise) -> str |
     return None
 
 
-def grade_one(submitted: Path, student: str, prepared: Prepared, limits: sandbox.Limits,
+def grade_one(submitted: Path, student: str, exercise: Exercise, seed: int, limits: sandbox.Limits,
               others: list[str] | None) -> Grade:
     """One row; never raises for anything a submission can do."""
     if others:
         names = ", ".join(repr(name) for name in others)
-        return not_run(prepared, INVALID, f"one student, several folders ({names}): keep one and grade again")
-    link = _link_on_the_way(submitted, student, prepared.exercise)
+        return not_run(exercise, INVALID, f"one student, several folders ({names}): keep one and grade again")
+    link = _link_on_the_way(submitted, student, exercise)
     if link:
-        return not_run(prepared, INVALID, link)
+        return not_run(exercise, INVALID, link)
     try:
-        return grade_notebook(submitted / student / prepared.exercise.notebook, prepared, limits)
+        return grade_notebook(submitted / student / exercise.notebook, exercise, seed, limits)
     except Exception as exc:  # the grader's own fault on this notebook; the others go on
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        return not_run(prepared, CRASHED, f"the grader failed on this notebook: {type(exc).__name__}: {exc} "
+        return not_run(exercise, CRASHED, f"the grader failed on this notebook: {type(exc).__name__}: {exc} "
                                           f"({Path(where.filename).name}, line {where.lineno})")
+
+
+def _grade_in_grading_process(submitted: Path, student: str, exercise_id: str, seed: int, limits: sandbox.Limits,
+                              others: list[str] | None) -> str:
+    """`grade_one` in a grading process of the pool; the row comes back as JSON, the journal's format."""
+    return to_json(grade_one(submitted, student, EXERCISES[exercise_id], seed, limits, others))
 
 
 def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
@@ -82,42 +88,45 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
               journal: Journal | None = None) -> list[tuple[str, Grade]]:
     """Every (student, exercise) row, in order; with a journal, recorded as each finishes.
 
+    pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
+    in as many grading processes (trusted: they run the tests, each with its own fork server).
     On KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one) it stops: notebooks being graded
     are not recorded, and the interrupt goes on up.
     """
     students = students_in(submitted)
     twins = duplicates(students)
-    prepared = [prepare(exercise, seed) for exercise in exercises_for(submitted, students, assignments)]
+    chosen = exercises_for(submitted, students, assignments)
     recorded = journal.done() if journal else {}
-    stopping = threading.Event()
     grades: dict[tuple[str, str], Grade] = journal.grades() if journal else {}
-
-    def row(student: str, p: Prepared, print_: str) -> None:
-        result = grade_one(submitted, student, p, limits, twins.get(student))
-        if not stopping.is_set():
-            grades[student, p.exercise.id] = result
-            if journal:
-                journal.record(student, print_, result)
-
-    prints = {(student, p.exercise.id): fingerprint(submitted / student / p.exercise.notebook)
-              for student in students for p in prepared}
-    tasks = [(student, p, prints[student, p.exercise.id]) for student in students for p in prepared
-             if recorded.get((student, p.exercise.id)) != prints[student, p.exercise.id]]
+    prints = {(student, e.id): fingerprint(submitted / student / e.notebook) for student in students for e in chosen}
+    tasks = [(student, e) for student in students for e in chosen
+             if recorded.get((student, e.id)) != prints[student, e.id]]
     if recorded:
-        print(f"{len(students) * len(prepared) - len(tasks)} notebooks already recorded; grading {len(tasks)}",
+        print(f"{len(students) * len(chosen) - len(tasks)} notebooks already recorded; grading {len(tasks)}",
               file=sys.stderr)
-    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
-    try:
-        with tqdm(total=len(tasks), unit="notebook", disable=not progress) as bar:
-            futures = [pool.submit(row, *task) for task in tasks]
-            for future in futures:
-                future.add_done_callback(lambda _: bar.update())
-            for future in futures:
-                future.result()
-    except BaseException:
-        stopping.set()
-        pool.shutdown(wait=False, cancel_futures=True)
-        sandbox.stop_fork_server()  # what is running is killed, and its threads return at once
-        raise
-    pool.shutdown()
-    return [(student, grades[student, p.exercise.id]) for student in students for p in prepared]
+
+    def record(student: str, grade: Grade) -> None:
+        grades[student, grade.exercise.id] = grade
+        if journal:
+            journal.record(student, prints[student, grade.exercise.id], grade)
+
+    with tqdm(total=len(tasks), unit="notebook", disable=not progress) as bar:
+        if jobs <= 1 or len(tasks) <= 1:
+            for student, exercise in tasks:
+                record(student, grade_one(submitted, student, exercise, seed, limits, twins.get(student)))
+                bar.update()
+        else:
+            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
+            try:
+                futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
+                                       twins.get(student)): student for student, exercise in tasks}
+                for future in as_completed(futures):
+                    record(futures[future], from_json(future.result()))
+                    bar.update()
+            except BaseException:
+                for process in list(getattr(pool, "_processes", {}).values()):
+                    process.kill()  # its fork server, and what that runs, die with it
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
+    return [(student, grades[student, e.id]) for student in students for e in chosen]

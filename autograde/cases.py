@@ -1,10 +1,8 @@
 """The vocabulary of the exercise definitions: exercises, test cases, their inputs and seeds.
 
-An exercise is data: the names a notebook must define, the functions it may not call, and
-its test cases. A test case builds its inputs from a seed (`build`) and makes its calls on a
-namespace (`probe`): the same probe runs on the learner's functions (in the worker process,
-or in the learner's own kernel for `check`) and on the reference solution (in the trusted
-process, in float64), and `compare` holds the two results side by side.
+An exercise is data: where its notebook is, the names it must define, the functions it may
+not call. Its tests are a pytest module, `autograde/tests/test_<id>.py`, which draws its
+inputs with `Draw` from a seed (`test_seed`) and passes them around as `Inputs`.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -95,81 +93,26 @@ class Draw:
         return self.py.choice(list(options))
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A rule on how a result is computed, which equal values cannot show (memory, work, ...).
-
-    The probe reports what the rule needs as observations named in `keys`; `compare` does not
-    hold those against the reference's but calls `judge(expected, got)`, which returns the
-    problems found, each naming the rule and saying by how much it is broken. Limits are read
-    from `expected`: the same probe computes them from the inputs on the reference's side.
-    """
-
-    name: str
-    keys: tuple[str, ...]
-    judge: Callable[[dict, dict], list[str]]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One test: inputs from `build(draw)`, outputs from `probe(functions, inputs)`.
-
-    `probe` returns a flat dict: names that say what was computed (they appear in feedback)
-    mapped to tensors or plain values (bool, int, float, str, None).
-    """
-
-    name: str
-    points: float
-    visible: bool
-    about: str
-    uses: tuple[str, ...]
-    build: Callable[[Draw], Inputs]
-    probe: Callable[[Any, Inputs], dict]
-    seconds: float = 20.0
-    # Rules on how the result is computed (memory, work, ...), judged rather than compared.
-    rules: tuple[Rule, ...] = ()
-
-
-# Compared and hashed by identity: each exercise exists once, in its module.
+# Compared and hashed by identity: each exercise exists once, in the registry.
 @dataclass(frozen=True, eq=False)
 class Exercise:
+    """What the tests of an exercise need to know beyond the tests: its place, its names, its rules."""
+
     id: str
     assignment: str
     title: str
     required: tuple[str, ...]
     not_allowed: tuple[str, ...]
-    cases: tuple[Case, ...]
     # Extra environment for the worker process (e.g. TRITON_INTERPRET for Triton on the CPU).
     env: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        names = [case.name for case in self.cases]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{self.id}: test case names repeat: {names}")
 
     @property
     def notebook(self) -> str:
         """Path of the notebook relative to `solutions/`, `exercises/` and a student folder."""
         return f"{self.assignment}/{self.id}.ipynb"
 
-    @property
-    def max_score(self) -> float:
-        return sum(case.points for case in self.cases)
 
-    def case(self, name: str) -> Case:
-        for case in self.cases:
-            if case.name == name:
-                return case
-        raise KeyError(f"exercise {self.id!r} has no test case {name!r}")
-
-
-def case_seed(exercise_id: str, case_name: str, hidden_seed: int | None) -> int:
-    """Visible cases draw from a fixed seed; hidden ones from the instructor's seed."""
-    key = f"{exercise_id}/{case_name}" if hidden_seed is None else f"{hidden_seed}/{exercise_id}/{case_name}"
+def test_seed(exercise_id: str, test_name: str, hidden_seed: int | None) -> int:
+    """Visible tests draw from a fixed seed; hidden ones from the instructor's seed."""
+    key = f"{exercise_id}/{test_name}" if hidden_seed is None else f"{hidden_seed}/{exercise_id}/{test_name}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
-
-
-def build_inputs(exercise: Exercise, case: Case, hidden_seed: int | None) -> Inputs:
-    if not case.visible and hidden_seed is None:
-        raise ValueError(f"hidden case {case.name!r} needs the instructor's seed")
-    return case.build(Draw(case_seed(exercise.id, case.name, None if case.visible else hidden_seed)))

@@ -8,14 +8,14 @@ import signal
 import sys
 from pathlib import Path
 
-from autograde import batch, exercises, grade, gradescope, journal, release, report, sandbox
+from autograde import batch, grade, gradescope, journal, registry, release, report, sandbox
 from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
 
 
 def exercise_of(path: Path):
     """The exercise a lone notebook answers, from its file name (`sdpa.ipynb`, `sdpa (1).ipynb`)."""
     stem = path.stem.split(" ")[0]
-    return exercises.get(stem)
+    return registry.get(stem)
 
 
 def grade_one(path: Path, seed: int, limits: sandbox.Limits) -> int:
@@ -24,7 +24,7 @@ def grade_one(path: Path, seed: int, limits: sandbox.Limits) -> int:
     except KeyError as exc:
         print(f"{path.name}: {exc.args[0]}", file=sys.stderr)
         return 2
-    result = grade.grade_notebook(path, grade.prepare(exercise, seed), limits)
+    result = grade.grade_notebook(path, exercise, seed, limits)
     print(report.grade_text(result, seed))
     return 0
 

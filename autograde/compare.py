@@ -1,4 +1,5 @@
-"""Hold a submission's observations against the reference's and say precisely what differs."""
+"""Hold a submission's observations against the reference's and say precisely what differs;
+`CaseResult`, what one test found."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autograde.cases import TOLERANCE, Case, Inputs
-from autograde.observe import Failure, OtherValue, TensorValue
+from autograde.cases import TOLERANCE
+from autograde.observe import OtherValue, TensorValue
 
 
 @dataclass(frozen=True)
@@ -90,27 +91,3 @@ def compare_tensor(key: str, expected: TensorValue, got, dtype: str, device: str
     else:
         problems += compare_exact(key, expected.array, got.array)
     return problems
-
-
-def compare(case: Case, inputs: Inputs, expected: dict, got: dict | Failure) -> CaseResult:
-    problems: list[str] = []
-    if isinstance(got, Failure):
-        problems.append(got.describe())
-    else:
-        first = inputs.first_tensor()
-        dtype = str(first.dtype) if first is not None else "torch.float32"
-        device = first.device.type if first is not None else "cpu"
-        judged = {key for rule in case.rules for key in rule.keys}
-        for key, want in expected.items():
-            if key in judged:
-                continue
-            if key not in got:
-                problems.append(f"`{key}`: missing from the result")
-            elif isinstance(want, TensorValue):
-                problems += compare_tensor(key, want, got[key], dtype, device)
-            elif type(got[key]) is not type(want) or got[key] != want:
-                problems.append(f"`{key}`: expected {describe(want)}, got {describe(got[key])}")
-        for rule in case.rules:
-            missing = [key for key in rule.keys if key not in got]
-            problems += [f"`{key}`: missing from the result" for key in missing] or rule.judge(expected, got)
-    return CaseResult(case.name, case.points, case.visible, case.about, inputs.describe(), tuple(problems))

@@ -189,7 +189,10 @@ def _supervise(request: dict, report: int) -> None:
     if ended is None:
         os.kill(first, signal.SIGKILL)  # as the namespace's first process, it takes all others with it
         os.waitpid(first, 0)
-    _kill_all(first, uid, group)
+    # In its own PID namespace the tree died with its first process, and its cgroup lists any
+    # straggler; every process of its uid is killed only without them, since a uid may be shared
+    # with another grading run on this machine.
+    _kill_all(first, None if namespaces else uid, group)
     if group is not None:
         group.remove()
     status = os.read(status_read, 64).decode() if ended is not None else ""

@@ -1,42 +1,26 @@
-"""The grading pipeline for one submitted notebook: load -> extract -> scan -> run in sandbox -> compare.
+"""The grading pipeline for one submitted notebook: load -> verify -> extract -> scan -> test.
 
-`prepare` computes, once per exercise and seed, every test case's inputs and the reference's
-expected observations (trusted code, in this process). `grade_notebook` then grades one
-notebook against them; the submission's code only ever runs in the sandbox's processes.
-`batch.py` grades a class.
+The tests are the exercise's pytest module, run in this process (`session.Session`); the
+submission's code only ever runs in the sandboxed worker that `proxies.SandboxedSubmission`
+starts, and the tests reach it through calls. `batch.py` grades a class.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import signal
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograde import extract, forbidden, integrity, notebook, reference, report, sandbox, wire
-from autograde.cases import Case, Exercise, Inputs, build_inputs
-from autograde.compare import CaseResult, compare
-from autograde.exercises import EXERCISES
-from autograde.observe import Failure
+from autograde import extract, forbidden, integrity, notebook, report, sandbox
+from autograde.cases import Exercise
+from autograde.compare import CaseResult
+from autograde.proxies import SandboxedSubmission, _Proxy
+from autograde.registry import EXERCISES
+from autograde.session import Blocked, Session, catalogue
 
 GRADED, INCOMPLETE, MISSING, INVALID, NOT_ALLOWED, CRASHED = (
     "graded", "incomplete", "missing", "invalid", "not allowed", "crashed")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    exercise: Exercise
-    cases: tuple[tuple[Case, Inputs, dict], ...]  # each case with its inputs and expected observations
-
-
-def prepare(exercise: Exercise, seed: int) -> Prepared:
-    cases = []
-    for case in exercise.cases:
-        inputs = build_inputs(exercise, case, seed)
-        cases.append((case, inputs, reference.expected(exercise, case, inputs)))
-    return Prepared(exercise, tuple(cases))
 
 
 @dataclass(frozen=True)
@@ -59,25 +43,13 @@ class Grade:
 
     @property
     def max_score(self) -> float:
-        return self.exercise.max_score
+        return sum(result.points for result in self.results)
 
 
-def not_run(prepared: Prepared, status: str, reason: str, notes: tuple[str, ...] = ()) -> Grade:
-    failure = Failure("not run", "", f"not run: {reason}")
-    results = tuple(compare(case, inputs, expected, failure) for case, inputs, expected in prepared.cases)
-    return Grade(prepared.exercise, status, reason, results, notes)
-
-
-def write_job(folder: Path, prepared: Prepared, cells: list[extract.Cell], limits: sandbox.Limits) -> None:
-    cases = [
-        {"name": case.name, "seconds": min(case.seconds, limits.case_seconds or case.seconds),
-         "inputs": wire.encode_inputs(inputs, folder, f"input{index}")}
-        for index, (case, inputs, _) in enumerate(prepared.cases)
-    ]
-    wire.write_json(folder / "job.json", {
-        "exercise": prepared.exercise.id, "cell_seconds": limits.cell_seconds,
-        "cells": [[cell.number, cell.source] for cell in cells], "cases": cases,
-    })
+def not_run(exercise: Exercise, status: str, reason: str, notes: tuple[str, ...] = ()) -> Grade:
+    results = tuple(CaseResult(test.name, test.points, test.visible, test.about, "", (f"not run: {reason}",))
+                    for test in catalogue(exercise))
+    return Grade(exercise, status, reason, results, notes)
 
 
 def how_it_ended(outcome: sandbox.ProcessOutcome, limits: sandbox.Limits) -> str:
@@ -88,54 +60,6 @@ def how_it_ended(outcome: sandbox.ProcessOutcome, limits: sandbox.Limits) -> str
         why = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (out of memory or time?)"}.get(name, "")
         return f"was killed by {name}{why}"
     return f"exited with status {outcome.returncode}"
-
-
-def _entries(result: dict, key: str) -> list:
-    entries = result.get(key, [])
-    if not isinstance(entries, list):
-        raise wire.WireError(f"result.json: {key} is malformed")
-    return entries
-
-
-def _strings(item, count: int) -> list[str]:
-    if not (isinstance(item, list) and len(item) == count and all(isinstance(x, (str, int)) for x in item)):
-        raise wire.WireError("a result entry is malformed")
-    return [str(x)[:2000] for x in item]
-
-
-def read_outcome(folder: Path, prepared: Prepared, outcome: sandbox.ProcessOutcome,
-                 limits: sandbox.Limits) -> Grade:
-    ended = how_it_ended(outcome, limits)
-    try:
-        result = wire.read_json(folder / "out" / "result.json")
-        if not isinstance(result, dict) or not isinstance(result.get("cases"), dict):
-            raise wire.WireError("result.json is malformed")
-        cell_failures = [Failure(*_strings(item, 5)[1:]) for item in _entries(result, "cells")]
-        missing = _strings(_entries(result, "missing"), len(_entries(result, "missing")))
-        violations = [forbidden.Violation(*_strings(item, 2)) for item in _entries(result, "violations")]
-        running = str(result.get("running"))[:200]
-        results = []
-        for case, inputs, expected in prepared.cases:
-            if case.name in result["cases"]:
-                got = wire.decode_observations(result["cases"][case.name], folder / "out", expected)
-            else:
-                got = Failure("not run", "", f"not run: the grading process {ended} during {running}")
-            results.append(compare(case, inputs, expected, got))
-    except (wire.WireError, OSError) as exc:
-        reason = f"the grading process {ended} without a readable result ({exc})"
-        tail = outcome.output_tail.strip()
-        crashed = not_run(prepared, CRASHED, reason, (f"its last output:\n{tail}",) if tail else ())
-        return dataclasses.replace(crashed, isolation=outcome.isolation)
-    undefined = [f"the notebook defines no {', '.join(f'`{name}`' for name in missing)}"] if missing else []
-    notes = tuple(undefined + [failure.describe() for failure in cell_failures])
-    if violations:
-        status = NOT_ALLOWED
-        reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
-    elif result.get("done") is not True:
-        status, reason = INCOMPLETE, f"the grading process {ended} during {running}"
-    else:
-        status, reason = GRADED, summary(results, notes)
-    return Grade(prepared.exercise, status, reason, tuple(results), notes, outcome.isolation)
 
 
 def summary(results: list[CaseResult], notes: tuple[str, ...]) -> str:
@@ -159,28 +83,65 @@ def _renamed(path: Path, exercise: Exercise) -> str:
     return f"; found {close[0]!r}: rename it {path.name}" if close else ""
 
 
-def grade_notebook(path: Path, prepared: Prepared, limits: sandbox.Limits = sandbox.Limits()) -> Grade:
+def _not_allowed_reason(violations: list[forbidden.Violation]) -> str:
+    return "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
+
+
+def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandbox.Limits()) -> _Proxy:
+    """The `submission` of a plain `pytest --notebook` run: the notebook in a sandboxed worker, or,
+    when it cannot run, a submission whose every call fails with the reason."""
+    try:
+        cells = extract.code_cells(notebook.load(path))
+    except notebook.NotebookError as exc:
+        return Blocked(exercise, str(exc))
+    violations = forbidden.scan([(cell.label, cell.source) for cell in cells], exercise.not_allowed)
+    if violations:
+        return Blocked(exercise, _not_allowed_reason(violations))
+    return SandboxedSubmission(exercise, [(cell.number, cell.source) for cell in cells], limits)
+
+
+def grade_notebook(path: Path, exercise: Exercise, seed: int,
+                   limits: sandbox.Limits = sandbox.Limits()) -> Grade:
     if path.is_symlink():
-        return not_run(prepared, INVALID, f"{prepared.exercise.notebook} is a symbolic link, not a notebook")
+        return not_run(exercise, INVALID, f"{exercise.notebook} is a symbolic link, not a notebook")
     if path.is_dir():
-        return not_run(prepared, INVALID, f"{prepared.exercise.notebook} is a folder, not a notebook")
+        return not_run(exercise, INVALID, f"{exercise.notebook} is a folder, not a notebook")
     if not path.exists():
-        return not_run(prepared, MISSING, f"no {prepared.exercise.notebook} was submitted{_renamed(path, prepared.exercise)}")
+        return not_run(exercise, MISSING, f"no {exercise.notebook} was submitted{_renamed(path, exercise)}")
     try:
         submitted = notebook.load(path)
     except notebook.NotebookError as exc:
-        return not_run(prepared, INVALID, str(exc))
+        return not_run(exercise, INVALID, str(exc))
     changed = tuple(f"{report.CHANGED}{finding}"
-                    for finding in integrity.findings(submitted, integrity.released_notebook(prepared.exercise)))
+                    for finding in integrity.findings(submitted, integrity.released_notebook(exercise)))
     cells = extract.code_cells(submitted)
-    violations = forbidden.scan([(cell.label, cell.source) for cell in cells], prepared.exercise.not_allowed)
+    violations = forbidden.scan([(cell.label, cell.source) for cell in cells], exercise.not_allowed)
     if violations:
-        reason = "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
-        return not_run(prepared, NOT_ALLOWED, reason, changed)
-    with tempfile.TemporaryDirectory(prefix="autograde-") as scratch:
-        work = Path(scratch) / "work"
-        work.mkdir()
-        write_job(work, prepared, cells, limits)
-        outcome = sandbox.run_worker(Path(scratch), limits, prepared.exercise.env)
-        graded = read_outcome(work, prepared, outcome, limits)
-    return dataclasses.replace(graded, notes=graded.notes + changed)
+        return not_run(exercise, NOT_ALLOWED, _not_allowed_reason(violations), changed)
+    session = Session(exercise, lambda: SandboxedSubmission(
+        exercise, [(cell.number, cell.source) for cell in cells], limits), seed)
+    code = session.run()
+    graded = _grade(session, limits, code)
+    return Grade(exercise, graded.status, graded.reason, graded.results, graded.notes + changed, graded.isolation)
+
+
+def _grade(session: Session, limits: sandbox.Limits, code: int) -> Grade:
+    exercise, submission = session.exercise, session.submission
+    if not isinstance(submission, SandboxedSubmission) or submission.outcome is None:
+        return not_run(exercise, CRASHED, f"the tests could not run (pytest exit code {int(code)})")
+    ended = how_it_ended(submission.outcome, limits)
+    results = tuple(session.results.get(test.name) or CaseResult(
+        test.name, test.points, test.visible, test.about, "",
+        (f"not run: the grading process {ended} {submission.gone}",)) for test in catalogue(exercise))
+    notes = [f"the notebook defines no {', '.join(f'`{name}`' for name in submission.missing)}"] \
+        if submission.missing else []
+    notes += [failure.describe() for failure in submission.failed_cells]
+    if submission.gone and submission.outcome.output_tail.strip() and not session.results:
+        notes.append(f"its last output:\n{submission.outcome.output_tail.strip()}")
+    if submission.violations:
+        status, reason = NOT_ALLOWED, _not_allowed_reason(submission.violations)
+    elif submission.gone:
+        status, reason = INCOMPLETE, f"the grading process {ended} {submission.gone}"
+    else:
+        status, reason = GRADED, summary(list(results), tuple(notes))
+    return Grade(exercise, status, reason, results, tuple(notes), submission.outcome.isolation)

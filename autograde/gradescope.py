@@ -11,7 +11,7 @@ the instructor's seed. For each submission, `run_autograder` calls
     python -m autograde.gradescope grade --root /autograder
 
 which finds the exercise notebooks among the uploaded files by name, grades them with the
-same sandboxed pipeline as `python -m autograde grade` (`grade.prepare`, `grade.grade_notebook`)
+same sandboxed pipeline as `python -m autograde grade` (`grade.grade_notebook`)
 and writes `results/results.json` in Gradescope's format
 (https://gradescope-autograders.readthedocs.io/en/latest/specs/): visible tests in detail at
 once, hidden tests by name and result once the instructor publishes the grades. How to deploy
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from autograde import grade, notebook, report
 from autograde.cases import Exercise
-from autograde.exercises import EXERCISES
+from autograde.registry import EXERCISES
 from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
 
 PACKAGE = Path(__file__).resolve().parent
@@ -276,18 +276,16 @@ def grade_submission(root: Path) -> dict:
     config = json.loads((COURSE / CONFIG).read_text())
     seed, exercises = config["seed"], [e for e in EXERCISES.values() if e.assignment in config["assignments"]]
     print(f"grading {root / 'submission'} with the course in {COURSE}: {', '.join(config['assignments'])}, seed {seed}")
-    # References first, in this process, before any submitted code runs.
-    prepared = [grade.prepare(exercise, seed) for exercise in exercises]
     found, notes = find_all(exercises, root / "submission")
     grades = []
     with tempfile.TemporaryDirectory(prefix="gradescope-") as folder:
         private = Path(folder)
         # Every notebook copied before the first one runs; a missing one gets a path that surely
         # does not exist, never one that a link in the submission could fill.
-        paths = [private_copy(f.path, private) if f.path else private / "missing" / f"{p.exercise.id}.ipynb"
-                 for p, f in zip(prepared, found)]
-        for p, f, path in zip(prepared, found, paths):
-            graded = grade.grade_notebook(path, p)
+        paths = [private_copy(f.path, private) if f.path else private / "missing" / f"{e.id}.ipynb"
+                 for e, f in zip(exercises, found)]
+        for exercise, f, path in zip(exercises, found, paths):
+            graded = grade.grade_notebook(path, exercise, seed)
             print(f"\n{f.note}\n{report.grade_text(graded, seed)}", flush=True)
             grades.append((graded, f))
     results = results_json(grades, notes, time.monotonic() - started)

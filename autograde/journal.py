@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from autograde.compare import CaseResult
-from autograde.exercises import EXERCISES
+from autograde.registry import EXERCISES
 from autograde.grade import Grade
 
 FILE = "journal.sqlite3"
@@ -46,13 +46,13 @@ def fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _to_json(grade: Grade) -> str:
+def to_json(grade: Grade) -> str:
     return json.dumps({"exercise": grade.exercise.id, "status": grade.status, "reason": grade.reason,
                        "notes": list(grade.notes), "isolation": grade.isolation,
                        "results": [dataclasses.asdict(result) for result in grade.results]})
 
 
-def _from_json(text: str) -> Grade:
+def from_json(text: str) -> Grade:
     data = json.loads(text)
     results = tuple(CaseResult(**{**r, "problems": tuple(r["problems"])}) for r in data["results"])
     return Grade(EXERCISES[data["exercise"]], data["status"], data["reason"], results, tuple(data["notes"]),
@@ -93,12 +93,12 @@ class Journal:
     def record(self, student: str, print_: str, grade: Grade) -> None:
         with self._lock:
             self._db.execute("insert or replace into grades values (?, ?, ?, ?)",
-                             (student, grade.exercise.id, print_, _to_json(grade)))
+                             (student, grade.exercise.id, print_, to_json(grade)))
 
     def grades(self) -> dict[tuple[str, str], Grade]:
         with self._lock:
             rows = self._db.execute("select student, exercise, grade from grades").fetchall()
-        return {(student, exercise): _from_json(text) for student, exercise, text in rows}
+        return {(student, exercise): from_json(text) for student, exercise, text in rows}
 
     def close(self) -> None:
         self._db.close()

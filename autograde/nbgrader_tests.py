@@ -1,8 +1,8 @@
-"""The nbgrader test cells' entry point: one test case of the grader, run in the notebook's kernel.
+"""The nbgrader test cells' entry point: one test of the exercise, run in the notebook's kernel.
 
 A test cell calls `run("sdpa", "no-mask", globals())`: it passes silently, or raises
 AssertionError with what is wrong, which nbgrader counts as 0 points for the cell. Hidden
-cases draw their inputs from the environment variable AUTOGRADE_SEED (the instructor's seed,
+tests draw their inputs from the environment variable AUTOGRADE_SEED (the instructor's seed,
 the same as `python -m autograde grade --seed`), so that nbgrader and the grader agree.
 As in the grader, a not-allowed call in any test of the exercise makes every test cell fail,
 those before the test that made it too.
@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import secrets
 
-from autograde import exercises, forbidden
-from autograde.cases import Exercise, build_inputs
-from autograde.observe import run_probe
-from autograde.self_check import run_in_process
-
-SEED_VARIABLE = "AUTOGRADE_SEED"
+from autograde import forbidden, registry
+from autograde.cases import Exercise
+from autograde.self_check import run_in_kernel
+from autograde.session import SEED_VARIABLE
 
 
 def choose_seed(given: int | None) -> int:
@@ -46,26 +44,30 @@ def violations_in_any_test(exercise: Exercise, namespace: dict) -> list[forbidde
     """The tripwire over every test of the exercise, once for each definition of its functions."""
     key = (exercise.id, tuple(id(namespace.get(name)) for name in exercise.required))
     if key not in _swept:
-        tripwire, seed = forbidden.Tripwire(exercise.not_allowed), hidden_seed()
-        for case in exercise.cases:
-            inputs = build_inputs(exercise, case, None if case.visible else seed)
-            with tripwire:
-                run_probe(case.probe, namespace, inputs)
-        _swept[key] = tripwire.violations
+        _, violations, _ = run_in_kernel(exercise, namespace, hidden_seed())
+        _swept[key] = violations
     return _swept[key]
 
 
-def run(exercise_id: str, case_name: str, namespace: dict) -> None:
-    exercise = exercises.get(exercise_id)
-    case = exercise.case(case_name)
-    [result], violations = run_in_process(exercise, [case], namespace, None if case.visible else hidden_seed())
+def test_function(test_name: str) -> str:
+    """The test function of a test's report name: `no-mask` -> `test_no_mask`."""
+    return "test_" + test_name.replace("-", "_")
+
+
+def run(exercise_id: str, test_name: str, namespace: dict) -> None:
+    exercise = registry.get(exercise_id)
+    results, violations, _ = run_in_kernel(exercise, namespace, hidden_seed(), test_function(test_name))
     found = {v.name for v in violations}
     violations += [v for v in violations_in_any_test(exercise, namespace) if v.name not in found]
     if violations:
         raise AssertionError("; ".join(v.describe() for v in violations)
                              + f": not allowed in {exercise_id}, so every test scores 0")
-    if not result.passed:
-        if not case.visible:
-            raise AssertionError(f"hidden test {case_name} failed")
-        raise AssertionError("\n".join([f"test {case_name} failed", f"inputs: {result.inputs}", *result.problems]))
-    print(f"test {case_name} passed")
+    if not results:
+        raise AssertionError(f"{exercise_id} has no test {test_name!r}")
+    failed = [result for result in results if not result.passed]
+    if failed:
+        if not failed[0].visible:
+            raise AssertionError(f"hidden test {test_name} failed")
+        raise AssertionError("\n".join(line for result in failed for line in
+                                       [f"test {result.name} failed", f"inputs: {result.inputs}", *result.problems]))
+    print(f"test {test_name} passed")

@@ -20,7 +20,7 @@ import torch
 
 MESSAGE_CHARS = 400
 # Tensors whose dtype numpy lacks travel as float32; their own dtype is kept in `dtype`.
-_WIDENED = {torch.bfloat16: torch.float32}
+WIDENED = {torch.bfloat16: torch.float32}
 _TRUSTED_DIRS = tuple(
     str(Path(p).resolve())
     for p in {Path(__file__).parent, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))}
@@ -41,8 +41,10 @@ class Submission:
 
     def __init__(self, namespace: dict):
         self._namespace = namespace
+        self.used: set[str] = set()  # the names asked for: which of the learner's functions a test uses
 
     def __getattr__(self, name: str) -> Any:
+        self.used.add(name)
         try:
             return self._namespace[name]
         except KeyError:
@@ -116,7 +118,7 @@ def observe_tensor(tensor: torch.Tensor) -> TensorValue | OtherValue:
     try:
         data = torch.Tensor.detach(tensor).cpu()
         dtype, device = data.dtype, torch.Tensor.detach(tensor).device.type
-        array = data.to(_WIDENED.get(dtype, dtype)).numpy()
+        array = data.to(WIDENED.get(dtype, dtype)).numpy()
     except TypeError:
         return OtherValue(f"Tensor of {tensor.dtype}")
     except Exception:  # not a tensor at all, whatever its __class__ says
@@ -126,17 +128,19 @@ def observe_tensor(tensor: torch.Tensor) -> TensorValue | OtherValue:
     return TensorValue(tuple(array.shape), str(dtype), device, array)
 
 
-def observe(outputs: dict) -> dict[str, Any]:
-    """A probe's outputs as observations (what `compare` reads and the worker writes)."""
-    observed = {}
-    for key, value in outputs.items():
-        if isinstance(value, torch.Tensor):
-            observed[key] = observe_tensor(value)
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            observed[key] = value
-        else:
-            observed[key] = OtherValue(kind_of(value).removeprefix("a "))
-    return observed
+def observe(value: Any, depth: int = 0) -> Any:
+    """What a call returned as an observation (what `compare` reads and the worker sends):
+    tensors as `TensorValue`, plain values as themselves, dicts, lists and tuples of these
+    (a few levels deep), anything else as `OtherValue`."""
+    if isinstance(value, torch.Tensor):
+        return observe_tensor(value)
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if depth < 3 and type(value) in (tuple, list) and len(value) <= 64:
+        return type(value)(observe(item, depth + 1) for item in value)
+    if depth < 3 and type(value) is dict and len(value) <= 64 and all(type(key) is str for key in value):
+        return {key: observe(item, depth + 1) for key, item in value.items()}
+    return OtherValue(kind_of(value).removeprefix("a "))
 
 
 def _cell_label(filename: str) -> str:
@@ -167,11 +171,3 @@ def failure_from(exc: BaseException) -> Failure:
     if len(message) > MESSAGE_CHARS:
         message = message[:MESSAGE_CHARS] + " ..."
     return Failure("exception", type(exc).__name__, message, learner_line(traceback.extract_tb(exc.__traceback__)))
-
-
-def run_probe(probe: Callable, namespace: dict, inputs) -> dict[str, Any] | Failure:
-    """Observations of `probe` on the functions in `namespace`, or the failure it ran into."""
-    try:
-        return observe(probe(Submission(namespace), inputs))
-    except Exception as exc:
-        return failure_from(exc)

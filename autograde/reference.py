@@ -1,7 +1,7 @@
 """The reference implementations: the solution cells of the `solutions/` notebooks.
 
 They are the course's own trusted code, so they run in the grading process itself, in
-float64, to give the expected observations of each test case.
+float64, behind the tests' `reference` fixture (`proxies.Reference`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ import json
 import linecache
 from pathlib import Path
 
-import torch
-
-from autograde.cases import Case, Exercise, Inputs
-from autograde.observe import Failure, run_probe
+from autograde.cases import Exercise
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 
@@ -38,11 +35,3 @@ def namespace(exercise: Exercise) -> dict:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         exec(compile(source, filename, "exec"), names)
     return names
-
-
-def expected(exercise: Exercise, case: Case, inputs: Inputs) -> dict:
-    """The reference's observations for `case`, computed in float64."""
-    result = run_probe(case.probe, namespace(exercise), inputs.cast(torch.float64))
-    if isinstance(result, Failure):
-        raise RuntimeError(f"the reference fails {exercise.id}/{case.name}: {result.describe()}")
-    return result

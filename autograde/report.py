@@ -34,14 +34,18 @@ def case_lines(result: CaseResult, details: bool) -> list[str]:
 
 def check_text(exercise_id: str, results: list[CaseResult], violations: list[Violation],
                hidden_points: float) -> str:
-    """What `check(...)` prints in the notebook."""
+    """What `check(...)` prints in the notebook: each test, then the verdict the grader will give."""
     earned, possible = sum(r.earned for r in results), sum(r.points for r in results)
-    lines = [f'check("{exercise_id}"): {points(earned)} of {points(possible)} points from the visible tests'
-             + (f" (hidden tests add {points(hidden_points)} more at grading)" if hidden_points else "")]
-    for violation in violations:
-        lines.append(f"NOT ALLOWED: {violation.describe()}; the grader gives this exercise 0 points")
+    lines = []
     for result in results:
         lines += case_lines(result, details=True)
+    if violations:
+        lines += [f"NOT ALLOWED: {violation.describe()}" for violation in violations]
+        lines.append(f'check("{exercise_id}"): the grader gives this exercise 0 points, whatever the tests '
+                     f"(they would give {points(earned)} of {points(possible)} visible points)")
+    else:
+        lines.append(f'check("{exercise_id}"): {points(earned)} of {points(possible)} points from the visible tests'
+                     + (f" (hidden tests add {points(hidden_points)} more at grading)" if hidden_points else ""))
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
-"""Rules on how a result is computed, beyond its values: measured in the probe, judged in `compare`.
+"""Rules on how a result is computed, beyond its values: measured by an adapter, judged by a test.
 
 Equal values cannot show that an attention kernel never builds the full score matrix, or
-skips the blocks that a causal mask hides. A probe therefore measures the learner's call and
-reports numbers as observations; the case's `Rule` then judges the learner's numbers against
-a limit. The limit is read from the reference's observations (the same probe computes it
-from the inputs), never from the process that ran the learner's code.
+skips the blocks that a causal mask hides. An adapter therefore measures the learner's call and
+reports numbers as observations; a test then judges them with the `Rule` against a limit. The
+limit is read from the reference's observations (the same adapter computes it from the
+inputs), never from the process that ran the learner's code.
 
 Measurements:
 - `Footprint`: the largest tensor created during a call (every tensor an operator returns,
@@ -17,13 +17,14 @@ Measurements:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from numbers import Real
+from typing import Callable
 
 import torch
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autograde.cases import Rule
 from autograde.observe import ContractError
 
 # The matrix products of FlopCounterMode's table; its attention and convolution entries have no place here.
@@ -126,6 +127,21 @@ class TritonLaunches:
 
 
 # Rules.
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule on how a result is computed, which equal values cannot show (memory, work, ...).
+
+    The adapter reports what the rule needs as observations named in `keys`; a test holds them
+    against the limits with `autograde.testing.assert_rule`, which calls `judge(expected, got)`:
+    the problems found, each naming the rule and saying by how much it is broken. Limits are
+    read from `expected`, computed by the same adapter on the reference's side.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    judge: Callable[[dict, dict], list[str]]
+
 
 def _number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)

@@ -20,6 +20,7 @@ import atexit
 import itertools
 import json
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.forkserver import serve; serve()"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
+UID_BLOCK, UID_BLOCKS = 4096, 500_000  # up to FIRST_UID + 2**31: still below the largest uid, 2**32 - 2
 FULL_ISOLATION = "namespaces+uid+cgroup"
 WEAKER_ISOLATION = ("submissions ran as processes of your own user, able to read and change what it can; "
                     "run the grader as root for namespaces and an unprivileged uid per submission")
@@ -92,7 +94,9 @@ class _Uids:
 
     def __init__(self):
         self._free: list[int] = []
-        self._next = itertools.count(FIRST_UID)
+        # A block of its own for each fork server, drawn at random, so that grading runs side by side
+        # (each with its own server) seldom share a uid; where namespaces hold, sharing one is harmless.
+        self._next = itertools.count(FIRST_UID + secrets.randbelow(UID_BLOCKS) * UID_BLOCK)
         self._lock = threading.Lock()
 
     def take(self) -> int:
@@ -112,7 +116,7 @@ class ForkServer:
     """The warm interpreter; `run` may be called from several threads at once."""
 
     def __init__(self):
-        from autograde.exercises import EXERCISES  # what the exercises need set before torch and triton load
+        from autograde.registry import EXERCISES  # what the exercises need set before torch and triton load
 
         needed = {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
         self._log = tempfile.TemporaryFile()
@@ -156,37 +160,25 @@ class ForkServer:
             self._process.stdin.write(json.dumps(message).encode() + b"\n")
             self._process.stdin.flush()
 
-    def run(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
-        """Run the worker on the job in `folder/work`, and wait for it, or stop it."""
+    def start(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> "Running":
+        """Start the worker on the job in `folder/work`; `Running.wait` waits for it, or stops it."""
         work = folder / "work"
         (folder / "root").mkdir()
         uid = self._uids.take() if self._uids else None
-        try:
-            if uid is not None:
-                os.chmod(folder, 0o711)
-                os.chown(work, uid, uid)
-            reply = self._exchange(folder, work, limits, env, uid)
-        finally:
-            if uid is not None:
-                self._uids.give_back(uid)
-        return ProcessOutcome(reply.get("returncode"), read_tail(work / "output.txt"),
-                              reply.get("isolation", ""), reply.get("note", ""))
-
-    def _exchange(self, folder: Path, work: Path, limits: Limits, env: Mapping[str, str], uid: int | None) -> dict:
+        if uid is not None:
+            os.chmod(folder, 0o711)
+            os.chown(work, uid, uid)
         ident, event, box = str(next(self._ids)), threading.Event(), []
         with self._lock:
             self._waiting[ident] = (event, box)
         self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
                     "package_root": str(ROOT), "limits": asdict(limits),
                     "env": scrubbed_environment(str(work), env)})
-        if not event.wait(limits.wall_seconds + SERVER_GRACE):
-            self._send({"kill": ident})
-            event.wait(SERVER_GRACE)
-        if not box:
-            if not self.alive:
-                raise ForkServerError(f"the fork server stopped: {self._stderr_tail()}")
-            return {"returncode": None, "note": "the fork server did not answer in time"}
-        return box[0]
+        return Running(self, ident, event, box, work, limits, uid)
+
+    def run(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
+        """Run the worker on the job in `folder/work`, and wait for it, or stop it."""
+        return self.start(folder, limits, env).wait()
 
     def kill(self) -> None:
         """Stop at once; the submissions' processes die with it (each dies with its parent)."""
@@ -200,6 +192,41 @@ class ForkServer:
                 self._process.wait(timeout=SERVER_GRACE)
             except subprocess.TimeoutExpired:
                 self._process.kill()
+
+
+class Running:
+    """A worker the fork server has started: `finished` once its process tree has ended."""
+
+    def __init__(self, server: ForkServer, ident: str, event: threading.Event, box: list, work: Path,
+                 limits: Limits, uid: int | None):
+        self._server, self._ident, self._event, self._box = server, ident, event, box
+        self._work, self._limits, self._uid = work, limits, uid
+
+    @property
+    def finished(self) -> bool:
+        return self._event.is_set()
+
+    def kill(self) -> None:
+        self._server._send({"kill": self._ident})
+
+    def wait(self) -> ProcessOutcome:
+        """How it ended; stopped if it is still running past the wall-clock limit (and a grace)."""
+        try:
+            if not self._event.wait(self._limits.wall_seconds + SERVER_GRACE):
+                self.kill()
+                self._event.wait(SERVER_GRACE)
+            if not self._box:
+                if not self._server.alive:
+                    raise ForkServerError(f"the fork server stopped: {self._server._stderr_tail()}")
+                reply = {"returncode": None, "note": "the fork server did not answer in time"}
+            else:
+                reply = self._box[0]
+        finally:
+            if self._uid is not None:
+                self._server._uids.give_back(self._uid)
+                self._uid = None
+        return ProcessOutcome(reply.get("returncode"), read_tail(self._work / "output.txt"),
+                              reply.get("isolation", ""), reply.get("note", ""))
 
 
 _shared: ForkServer | None = None
@@ -216,8 +243,6 @@ def fork_server() -> ForkServer:
         return _shared
 
 
-def run_worker(folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
-    return fork_server().run(folder, limits, env)
 
 
 def stop_fork_server() -> None:

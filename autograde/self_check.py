@@ -1,19 +1,21 @@
-"""Checks inside the learner's notebook: the tests run on the notebook's own functions.
+"""Checks inside the learner's notebook: the exercise's tests on the notebook's own functions.
 
-`check("sdpa")` runs the visible tests and prints what is wrong; `run_in_process` is also
-what the nbgrader test cells call (`autograde.nbgrader_tests`). Unlike the instructor's
-grader, this runs in the learner's own kernel: no sandbox is needed, the code is theirs.
+`check("sdpa")` runs the visible tests with pytest, in the learner's kernel, and prints what
+is wrong; `run_in_kernel` is also what the nbgrader test cells call (`autograde.nbgrader_tests`).
+Unlike the instructor's grader, this runs in the learner's own kernel: no sandbox is needed,
+the code is theirs.
 """
 
 from __future__ import annotations
 
 import inspect
 
-from autograde import exercises, forbidden, reference
-from autograde.cases import Case, Exercise, build_inputs
-from autograde.compare import CaseResult, compare
-from autograde.observe import run_probe
+from autograde import forbidden, registry
+from autograde.cases import Exercise
+from autograde.compare import CaseResult
+from autograde.proxies import LocalSubmission
 from autograde.report import check_text
+from autograde.session import Session, catalogue
 
 
 def history_cells(namespace: dict) -> list[tuple[str, str]]:
@@ -24,19 +26,17 @@ def history_cells(namespace: dict) -> list[tuple[str, str]]:
     return [(f"In [{number}]", source) for number, source in enumerate(history) if isinstance(source, str)]
 
 
-def run_in_process(exercise: Exercise, cases: list[Case], namespace: dict,
-                   hidden_seed: int | None) -> tuple[list[CaseResult], list[forbidden.Violation]]:
+def run_in_kernel(exercise: Exercise, namespace: dict, hidden_seed: int | None, *selection: str,
+                  visible_only: bool = False) -> tuple[list[CaseResult], list[forbidden.Violation], LocalSubmission]:
+    """The tests (`selection`: test function names, default all) on the functions in `namespace`."""
+    submission = LocalSubmission(exercise, namespace)
+    session = Session(exercise, lambda: submission, hidden_seed, visible_only)
+    session.run(*selection)
+    order = [test.name for test in catalogue(exercise)]
+    results = sorted(session.results.values(), key=lambda result: order.index(result.name))
     violations = forbidden.scan(history_cells(namespace), exercise.not_allowed)
-    tripwire = forbidden.Tripwire(exercise.not_allowed)
-    results = []
-    for case in cases:
-        inputs = build_inputs(exercise, case, hidden_seed)
-        expected = reference.expected(exercise, case, inputs)
-        with tripwire:
-            got = run_probe(case.probe, namespace, inputs)
-        results.append(compare(case, inputs, expected, got))
     found = {v.name for v in violations}
-    return results, violations + [v for v in tripwire.violations if v.name not in found]
+    return results, violations + [v for v in submission.violations if v.name not in found], submission
 
 
 def check(exercise_id: str, function: str | None = None, namespace: dict | None = None) -> None:
@@ -46,11 +46,11 @@ def check(exercise_id: str, function: str | None = None, namespace: dict | None 
     """
     if namespace is None:
         namespace = inspect.currentframe().f_back.f_globals
-    exercise = exercises.get(exercise_id)
-    cases = [case for case in exercise.cases if case.visible and (function is None or function in case.uses)]
-    if not cases:
-        raise ValueError(f"no visible test of {exercise_id!r} uses {function!r}; "
-                         f"the names are {', '.join(exercise.required)}")
-    results, violations = run_in_process(exercise, cases, namespace, hidden_seed=None)
-    hidden = sum(case.points for case in exercise.cases if not case.visible) if function is None else 0
+    exercise = registry.get(exercise_id)
+    if function is not None and function not in exercise.required:
+        raise ValueError(f"{exercise_id!r} has no function {function!r}; the names are {', '.join(exercise.required)}")
+    results, violations, submission = run_in_kernel(exercise, namespace, None, visible_only=True)
+    if function is not None:
+        results = [r for r in results if function in submission.uses.get(r.name, ())]
+    hidden = sum(test.points for test in catalogue(exercise) if not test.visible) if function is None else 0
     print(check_text(exercise_id, results, violations, hidden))

@@ -14,13 +14,13 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from autograde.cases import Inputs
-from autograde.observe import Failure, OtherValue, TensorValue
+from autograde.observe import WIDENED, OtherValue, TensorValue
 
 MAX_JSON_BYTES = 4 * 2**20
 MAX_ARRAY_BYTES = 256 * 2**20
@@ -31,6 +31,21 @@ class WireError(Exception):
     pass
 
 
+def entries(message: dict, key: str) -> list:
+    """`message[key]`, a list (empty if absent)."""
+    found = message.get(key, [])
+    if not isinstance(found, list):
+        raise WireError(f"{key} is malformed")
+    return found
+
+
+def strings(item: Any, count: int) -> list[str]:
+    """`item`, a list of `count` strings or ints, as bounded strings."""
+    if not (isinstance(item, list) and len(item) == count and all(isinstance(x, (str, int)) for x in item)):
+        raise WireError("an entry is malformed")
+    return [str(x)[:2000] for x in item]
+
+
 def write_json(path: Path, data: Any) -> None:
     """Written whole, then renamed, so that a reader never sees half a file."""
     partial = path.with_suffix(".partial")
@@ -38,8 +53,8 @@ def write_json(path: Path, data: Any) -> None:
     partial.replace(path)
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """The whole file, opened without following a link in its name or its folder's."""
+def _open_regular(path: Path):
+    """`path` opened for reading without following a link in its name or its folder's; a regular file."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         folder = os.open(path.parent, flags | os.O_DIRECTORY)
@@ -49,11 +64,17 @@ def read_bytes(path: Path, limit: int) -> bytes:
             os.close(folder)
     except OSError as exc:
         raise WireError(f"{path.name} cannot be opened ({exc.strerror})") from None
-    with os.fdopen(descriptor, "rb") as file:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise WireError(f"{path.name} is not a regular file")
-        if status.st_size > limit:
+    file = os.fdopen(descriptor, "rb")
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        file.close()
+        raise WireError(f"{path.name} is not a regular file")
+    return file
+
+
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The whole file, at most `limit` bytes, opened as `_open_regular` does."""
+    with _open_regular(path) as file:
+        if os.fstat(file.fileno()).st_size > limit:
             raise WireError(f"{path.name} is larger than {limit} bytes")
         return file.read(limit + 1)[:limit]
 
@@ -65,20 +86,26 @@ def read_json(path: Path) -> Any:
         raise WireError(f"{path.name} is not valid JSON: {exc}") from None
 
 
-def _npy(path: Path) -> tuple[tuple[int, ...], np.dtype, bytes]:
-    """Shape, dtype and bytes of an `.npy` file, after checking its size agrees with them."""
-    data = read_bytes(path, MAX_ARRAY_BYTES)
-    file = io.BytesIO(data)
-    try:
-        version = np.lib.format.read_magic(file)
-        reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        shape, _, dtype = reader[version](file, max_header_size=10_000)
-    except (ValueError, KeyError, EOFError) as exc:
-        raise WireError(f"{path.name} is not an .npy array: {exc}") from None
-    if dtype.kind not in ARRAY_KINDS or dtype.hasobject or len(shape) > 16:
-        raise WireError(f"{path.name} holds dtype {dtype}, which is not a plain numeric dtype")
-    if file.tell() + math.prod(shape) * dtype.itemsize != len(data):
-        raise WireError(f"{path.name}: its size does not match its header")
+def _npy(path: Path, budget: "_Budget | None" = None) -> tuple[tuple[int, ...], np.dtype, bytes]:
+    """Shape, dtype and bytes of an `.npy` file. The header is read and checked first: its dtype,
+    and that the file's size agrees with it; the values are read only if `budget` allows them."""
+    with _open_regular(path) as file:
+        try:
+            version = np.lib.format.read_magic(file)
+            reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            shape, _, dtype = reader[version](file, max_header_size=10_000)
+        except (ValueError, KeyError, EOFError) as exc:
+            raise WireError(f"{path.name} is not an .npy array: {exc}") from None
+        if dtype.kind not in ARRAY_KINDS or dtype.hasobject or len(shape) > 16:
+            raise WireError(f"{path.name} holds dtype {dtype}, which is not a plain numeric dtype")
+        size = math.prod(shape) * dtype.itemsize
+        if file.tell() + size != os.fstat(file.fileno()).st_size or size > MAX_ARRAY_BYTES:
+            raise WireError(f"{path.name}: its size does not match its header, or is over the limit")
+        if budget is not None:
+            budget.take(size)
+        header = file.tell()
+        file.seek(0)
+        data = file.read(header + size)
     return tuple(shape), dtype, data
 
 
@@ -95,43 +122,73 @@ def read_array(path: Path) -> np.ndarray:
     return _load(_npy(path)[2])
 
 
-# Inputs: trusted process -> worker.
+# Calls: the trusted process sends a call's arguments, the worker sends back what it returned.
 
-def encode_inputs(inputs: Inputs, folder: Path, prefix: str) -> dict:
-    encoded = {}
-    for index, (key, value) in enumerate(inputs.values.items()):
-        if isinstance(value, torch.Tensor):
-            name = f"{prefix}-{index}.npy"
-            np.save(folder / name, value.detach().cpu().numpy(), allow_pickle=False)
-            encoded[key] = {"tensor": name}
-        else:
-            encoded[key] = {"value": value}
-    return encoded
+MAX_DEPTH = 6
+MAX_ITEMS = 256
+MAX_ARRAYS_PER_REPLY = 128
+MAX_BYTES_PER_REPLY = 512 * 2**20
 
 
-def decode_inputs(encoded: dict, folder: Path) -> Inputs:
-    return Inputs({
-        key: torch.from_numpy(read_array(folder / item["tensor"])) if "tensor" in item else item["value"]
-        for key, item in encoded.items()
-    })
+def save_array(folder: int, name: str, array: np.ndarray) -> None:
+    """A new file `name` in the folder open as `folder`: never through a link, never over a file."""
+    descriptor = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=folder)
+    with os.fdopen(descriptor, "wb") as file:
+        np.save(file, array, allow_pickle=False)
 
 
-# Observations: worker -> trusted process.
+def encode_arguments(value: Any, folder: int, names: Iterator[str], depth: int = 0) -> Any:
+    """Arguments (tensors, plain values, Inputs, and dicts, lists and tuples of them) as JSON and
+    .npy files in the folder open as `folder` (a descriptor: the worker may move the folder's name)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("arguments nested too deeply")
+    if isinstance(value, torch.Tensor):
+        name = f"{next(names)}.npy"
+        tensor = value.detach().cpu()
+        save_array(folder, name, tensor.to(WIDENED.get(tensor.dtype, tensor.dtype)).numpy())
+        return {"tensor": name, "dtype": str(tensor.dtype), "grad": value.requires_grad}
+    if isinstance(value, Inputs):
+        return {"inputs": encode_arguments(dict(value.values), folder, names, depth + 1), "note": value.note}
+    if isinstance(value, dict):
+        return {"dict": [[key, encode_arguments(item, folder, names, depth + 1)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple)):
+        kind = "list" if isinstance(value, list) else "tuple"
+        return {kind: [encode_arguments(item, folder, names, depth + 1) for item in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise TypeError(f"cannot send a {type(value).__name__} to the submission")
 
-def encode_observations(observed: dict | Failure, folder: Path, prefix: str) -> dict:
-    if isinstance(observed, Failure):
-        return {"failure": [observed.kind, observed.type_name, observed.message, observed.where]}
-    encoded = {}
-    for index, (key, value) in enumerate(observed.items()):
-        if isinstance(value, TensorValue):
-            name = f"{prefix}-{index}.npy"
-            np.save(folder / name, value.array, allow_pickle=False)
-            encoded[key] = {"tensor": name, "dtype": value.dtype, "device": value.device}
-        elif isinstance(value, OtherValue):
-            encoded[key] = {"other": value.type_name}
-        else:
-            encoded[key] = {"value": value}
-    return {"outputs": encoded}
+
+def decode_arguments(encoded: Any, folder: Path) -> Any:
+    """In the worker: the arguments as torch tensors and plain values (they come from the trusted process)."""
+    if "tensor" in encoded:
+        tensor = torch.from_numpy(read_array(folder / encoded["tensor"]))
+        dtype = getattr(torch, encoded["dtype"].removeprefix("torch."))
+        return tensor.to(dtype).requires_grad_(encoded["grad"])
+    if "inputs" in encoded:
+        return Inputs(decode_arguments(encoded["inputs"], folder), encoded["note"])
+    if "dict" in encoded:
+        return {key: decode_arguments(item, folder) for key, item in encoded["dict"]}
+    if "list" in encoded:
+        return [decode_arguments(item, folder) for item in encoded["list"]]
+    if "tuple" in encoded:
+        return tuple(decode_arguments(item, folder) for item in encoded["tuple"])
+    return encoded["value"]
+
+
+def encode_result(observed: Any, folder: Path, names: Iterator[str]) -> Any:
+    """In the worker: an observation (`observe.observe`) as JSON and .npy files."""
+    if isinstance(observed, TensorValue):
+        name = f"{next(names)}.npy"
+        np.save(folder / name, observed.array, allow_pickle=False)
+        return {"tensor": name, "dtype": observed.dtype, "device": observed.device}
+    if isinstance(observed, OtherValue):
+        return {"other": observed.type_name}
+    if isinstance(observed, dict):
+        return {"dict": [[key, encode_result(item, folder, names)] for key, item in observed.items()]}
+    if isinstance(observed, (list, tuple)):
+        return {"list" if isinstance(observed, list) else "tuple": [encode_result(i, folder, names) for i in observed]}
+    return {"value": observed}
 
 
 def _text(value: Any, limit: int = 2000) -> str:
@@ -140,34 +197,98 @@ def _text(value: Any, limit: int = 2000) -> str:
     return value[:limit]
 
 
-def decode_observations(encoded: Any, folder: Path, expected: dict) -> dict | Failure:
-    """The worker's observations of one case; arrays are read only where their shape is the expected one."""
-    if not isinstance(encoded, dict):
-        raise WireError("a case result is not an object")
-    if "failure" in encoded:
-        failure = encoded["failure"]
-        if not (isinstance(failure, list) and len(failure) == 4):
-            raise WireError("a failure is malformed")
-        return Failure(*(_text(part) for part in failure))
-    outputs = encoded.get("outputs")
-    if not isinstance(outputs, dict):
-        raise WireError("a case result has no outputs")
-    observed: dict[str, Any] = {}
-    for key, item in outputs.items():
-        if not isinstance(item, dict) or len(item) not in (1, 3):
-            raise WireError(f"output {key!r} is malformed")
-        if "tensor" in item:
-            name = _text(item["tensor"])
-            if Path(name).name != name or not name.endswith(".npy"):
-                raise WireError(f"output {key!r} names a file outside the result folder")
-            shape, _, data = _npy(folder / name)
-            want = expected.get(key)
-            array = _load(data) if isinstance(want, TensorValue) and shape == want.shape else None
-            observed[key] = TensorValue(shape, _text(item["dtype"], 40), _text(item["device"], 40), array)
-        elif "other" in item:
-            observed[key] = OtherValue(_text(item["other"], 200))
-        elif "value" in item and (item["value"] is None or isinstance(item["value"], (bool, int, float, str))):
-            observed[key] = item["value"]
-        else:
-            raise WireError(f"output {key!r} is malformed")
-    return observed
+class _Budget:
+    """What one reply may make the trusted process read: a number of arrays and of bytes."""
+
+    def __init__(self):
+        self.arrays, self.bytes = MAX_ARRAYS_PER_REPLY, MAX_BYTES_PER_REPLY
+
+    def take(self, size: int) -> None:
+        self.arrays -= 1
+        self.bytes -= size
+        if self.arrays < 0 or self.bytes < 0:
+            raise WireError(f"a reply names more than {MAX_ARRAYS_PER_REPLY} arrays or "
+                            f"{MAX_BYTES_PER_REPLY // 2**20} MiB")
+
+
+# The dtype an array travels as, for each dtype a tensor may claim to have had.
+_CARRIED = {"torch.bfloat16": np.dtype("float32")}
+
+
+def _tensor_value(item: dict, folder: Path, budget: _Budget) -> TensorValue:
+    name = _text(item.get("tensor"), 200)
+    if Path(name).name != name or not name.endswith(".npy"):
+        raise WireError("a result names a file outside the result folder")
+    shape, dtype, data = _npy(folder / name, budget)
+    claimed = _text(item.get("dtype"), 40)
+    # The header says what the array holds; a label is believed only where numpy has no such dtype.
+    actual = claimed if _CARRIED.get(claimed) == dtype else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
+    return TensorValue(shape, actual, _text(item.get("device"), 40), _load(data))
+
+
+_TORCH_NAMES = {"b1": "bool", "f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16",
+                "i4": "int32", "i8": "int64", "u1": "uint8"}
+
+
+def decode_result(encoded: Any, folder: Path, budget: _Budget | None = None, depth: int = 0) -> Any:
+    """In the trusted process: what the worker says a call returned, checked as it is read."""
+    budget = budget or _Budget()
+    if depth > MAX_DEPTH or not isinstance(encoded, dict) or len(encoded) not in (1, 3):
+        raise WireError("a result is malformed")
+    if "tensor" in encoded:
+        return _tensor_value(encoded, folder, budget)
+    if "other" in encoded:
+        return OtherValue(_text(encoded["other"], 200))
+    if "value" in encoded:
+        value = encoded["value"]
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        return _text(value)
+    for kind in ("dict", "list", "tuple"):
+        items = encoded.get(kind)
+        if items is None:
+            continue
+        if not isinstance(items, list) or len(items) > MAX_ITEMS:
+            raise WireError(f"a result's {kind} is malformed or too long")
+        if kind == "dict":
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+                raise WireError("a result's dict is malformed")
+            return {_text(key, 200): decode_result(item, folder, budget, depth + 1) for key, item in items}
+        decoded = [decode_result(item, folder, budget, depth + 1) for item in items]
+        return decoded if kind == "list" else tuple(decoded)
+    raise WireError("a result is malformed")
+
+
+# The call channel: one JSON object per line over a Unix socket.
+
+MAX_MESSAGE_BYTES = 4 * 2**20
+
+
+def send_message(channel, message: dict) -> None:
+    channel.sendall(json.dumps(message).encode() + b"\n")
+
+
+class MessageReader:
+    """Lines from an untrusted peer: each at most MAX_MESSAGE_BYTES, each a JSON object."""
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.pending = b""
+
+    def read(self) -> dict | None:
+        """The next message, or None when the peer has closed the channel (`socket.timeout` passes up)."""
+        while b"\n" not in self.pending:
+            if len(self.pending) > MAX_MESSAGE_BYTES:
+                raise WireError("a message is too long")
+            chunk = self.channel.recv(65536)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        try:
+            message = json.loads(line.decode("utf-8"))
+        except ValueError as exc:
+            raise WireError(f"a message is not valid JSON: {exc}") from None
+        if not isinstance(message, dict):
+            raise WireError("a message is not an object")
+        return message

@@ -1,26 +1,32 @@
-"""What runs inside the sandboxed process: the submission's cells, then each test case's probe.
+"""What runs inside the sandboxed process: the submission's cells, then the tests' calls.
 
-Run by the fork server (`forkserver.py`) in a scratch folder holding `job.json` and the input arrays.
-It writes `result.json` (and the arrays it names) after every step, so that the grading
-process knows how far it got if the submission ends or hangs the process. Everything this
-process writes is untrusted: the submission runs here and could change any of it.
+Run by the fork server (`forkserver.py`) in a scratch folder holding `job.json`. It runs the
+notebook's code cells (as in Jupyter, a failing cell does not stop the next), connects to the
+grading process over `channel.sock`, says which cells failed and which names are missing, and
+then answers calls, one at a time, until told it is done: each call names an adapter of the
+exercise's test module or one of the exercise's functions, with arguments in `in/`; the reply
+is what the call returned, observed (`observe.observe`) and written to `out/`, or how it
+failed. Everything this process sends is untrusted: the submission runs here.
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
 import linecache
 import random
 import signal
+import socket
 from pathlib import Path
 
 import numpy
 import torch
 
-from autograde import exercises
+from autograde import registry
+from autograde.calls import LearnerCalls
 from autograde.forbidden import Tripwire
-from autograde.observe import Failure, failure_from, run_probe
-from autograde.wire import decode_inputs, encode_observations, read_json, write_json
+from autograde.observe import Failure, failure_from, observe
+from autograde.wire import MessageReader, decode_arguments, encode_result, read_json, send_message
 
 
 class TimeLimit(BaseException):
@@ -54,7 +60,7 @@ def cell_failure(exc: BaseException, number: int, seconds: float) -> Failure:
     return failure_from(exc)
 
 
-def case_failure(exc: BaseException, seconds: float) -> Failure:
+def call_failure(exc: BaseException, seconds: float) -> Failure:
     if isinstance(exc, TimeLimit):
         return Failure("timeout", "TimeLimit", f"stopped after {seconds:g} s (an endless loop?)")
     return failure_from(exc)
@@ -62,39 +68,42 @@ def case_failure(exc: BaseException, seconds: float) -> Failure:
 
 def main(folder: Path) -> None:
     job = read_json(folder / "job.json")
-    exercise = exercises.get(job["exercise"])
+    exercise = registry.get(job["exercise"])
     out = folder / "out"
     out.mkdir()
     torch.set_num_threads(1)
     for seeded in (random.seed, numpy.random.seed, torch.manual_seed):  # unseeded randomness repeats
         seeded(0)
     signal.signal(signal.SIGALRM, _alarm)
-    result = {"running": None, "cells": [], "missing": [], "cases": {}, "violations": [], "done": False}
-    tripwire = Tripwire(exercise.not_allowed)
-
-    def save(running: str | None) -> None:
-        result["running"] = running
-        result["violations"] = [[v.name, v.where] for v in tripwire.violations]
-        write_json(out / "result.json", result)
-
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    with tripwire:
-        for number, source in job["cells"]:
-            save(f"cell {number}")
-            try:
-                time_limited(job["cell_seconds"], run_cell, number, source, namespace)
-            except BaseException as exc:  # as in Jupyter, a failing cell does not stop the next ones
-                failure = cell_failure(exc, number, job["cell_seconds"])
-                result["cells"].append([number, failure.kind, failure.type_name, failure.message, failure.where])
-        result["missing"] = [name for name in exercise.required if name not in namespace]
-        for index, case_job in enumerate(job["cases"]):
-            name, seconds = case_job["name"], case_job["seconds"]
-            save(f"test {name}")
-            inputs = decode_inputs(case_job["inputs"], folder)
-            try:
-                observed = time_limited(seconds, run_probe, exercise.case(name).probe, namespace, inputs)
-                result["cases"][name] = encode_observations(observed, out, f"case{index}")
-            except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
-                result["cases"][name] = encode_observations(case_failure(exc, seconds), out, f"case{index}")
-    result["done"] = True
-    save(None)
+    failed_cells = []
+    for number, source in job["cells"]:
+        try:
+            time_limited(job["cell_seconds"], run_cell, number, source, namespace)
+        except BaseException as exc:  # as in Jupyter, a failing cell does not stop the next ones
+            failure = cell_failure(exc, number, job["cell_seconds"])
+            failed_cells.append([number, failure.kind, failure.type_name, failure.message, failure.where])
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel.connect("channel.sock")
+    send_message(channel, {"ready": True, "cells": failed_cells,
+                           "missing": [name for name in exercise.required if name not in namespace]})
+    calls, tripwire, names, reader = LearnerCalls(exercise, namespace), Tripwire(exercise.not_allowed), \
+        (f"r{n}" for n in itertools.count()), MessageReader(channel)
+
+    def observed_call(name, args, kwargs):
+        with tripwire:
+            return observe(calls(name, args, kwargs))
+
+    while (request := reader.read()) is not None and "call" in request:
+        seconds = request["seconds"]
+        try:
+            args = decode_arguments(request["args"], folder / "in")
+            kwargs = decode_arguments(request["kwargs"], folder / "in")
+            reply = {"result": encode_result(time_limited(seconds, observed_call, request["call"], args, kwargs),
+                                             out, names)}
+        except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
+            failure = call_failure(exc, seconds)
+            reply = {"failure": [failure.kind, failure.type_name, failure.message, failure.where]}
+        reply["violations"] = [[v.name, v.where] for v in tripwire.violations]
+        send_message(channel, reply)
+    channel.close()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
-from autograde.exercises.gqa import GROUPED, projection_shapes, projection_weights
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.tests.test_gqa import GROUPED, projection_shapes, projection_weights
 from autograde.observe import ContractError, kind_of, pair
 
 STEP = "gqa_decode_step"
@@ -42,6 +44,7 @@ def checked_tensor(value, call: str, what: str, shape: tuple[int, ...]) -> torch
     return value
 
 
+@adapter
 def decode(functions, inputs: Inputs) -> dict:
     """Feed `x` through the step in each chunking; the outputs joined, the cache after each step and at the end."""
     module, x = given_module(inputs), inputs["x"]
@@ -154,21 +157,74 @@ EXERCISE = Exercise(
     title="Incremental decoding with a KV cache",
     required=(STEP,),
     not_allowed=NOT_ALLOWED_ATTENTION,
-    cases=(
-        Case("whole-prompt", 1.0, True, "the first step (no cache) is causal self-attention", (STEP,),
-             whole_prompt_inputs, decode),
-        Case("token-by-token", 1.5, True, "single-token steps reproduce causal attention over the sequence", (STEP,),
-             token_by_token_inputs, decode),
-        Case("chunked-prefill", 1.5, True, "every chunking gives the same outputs and cache", (STEP,),
-             chunked_inputs, decode),
-        Case("given-cache", 1.0, True, "new tokens attend to the given cache, which grows at its end", (STEP,),
-             given_cache_inputs, decode),
-        Case("multi-query-decoding", 1.0, False, "decoding with one key/value head", (STEP,),
-             multi_query_inputs, decode),
-        Case("multi-head-decoding", 1.0, False, "decoding with as many key/value heads as query heads", (STEP,),
-             multi_head_inputs, decode),
-        Case("ragged-chunks", 1.5, False, "random chunkings, groupings and dtypes", (STEP,), ragged_inputs, decode),
-        Case("long-decode", 1.5, False, "many single-token steps after a prefill", (STEP,), long_decode_inputs,
-             decode),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(1.0)
+def test_whole_prompt(submission, reference, draw):
+    """the first step (no cache) is causal self-attention"""
+    inputs = whole_prompt_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_token_by_token(submission, reference, draw):
+    """single-token steps reproduce causal attention over the sequence"""
+    inputs = token_by_token_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_chunked_prefill(submission, reference, draw):
+    """every chunking gives the same outputs and cache"""
+    inputs = chunked_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_given_cache(submission, reference, draw):
+    """new tokens attend to the given cache, which grows at its end"""
+    inputs = given_cache_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_multi_query_decoding(submission, reference, draw):
+    """decoding with one key/value head"""
+    inputs = multi_query_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_multi_head_decoding(submission, reference, draw):
+    """decoding with as many key/value heads as query heads"""
+    inputs = multi_head_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_ragged_chunks(submission, reference, draw):
+    """random chunkings, groupings and dtypes"""
+    inputs = ragged_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_long_decode(submission, reference, draw):
+    """many single-token steps after a prefill"""
+    inputs = long_decode_inputs(draw)
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)

@@ -7,10 +7,12 @@ tensor created during the call larger than the inputs or one block of scores) an
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Case, Draw, Exercise, Inputs
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
 from autograde.observe import pair
 
 ONLINE, FORWARD = "online_softmax", "flash_attention_forward"
@@ -58,21 +60,25 @@ def rows_attending_nothing(L: int, S: int) -> str:
 
 # Probes.
 
+@adapter
 def softmaxes(functions, inputs: Inputs) -> dict:
     return {f"online_softmax(x, {size})": functions.online_softmax(inputs["x"], size) for size in inputs["block_sizes"]}
 
 
+@adapter
 def forward(functions, inputs: Inputs) -> dict:
     out, lse = forward_call(functions, inputs)
     return {"out": out, "lse": lse}
 
 
+@adapter
 def forward_memory(functions, inputs: Inputs) -> dict:
     with rules.Footprint() as footprint:
         out, lse = forward_call(functions, inputs)
     return {"out": out, "lse": lse, LARGEST: footprint.largest, MEMORY_LIMIT: memory_limit(inputs)}
 
 
+@adapter
 def forward_work(functions, inputs: Inputs) -> dict:
     flops = {}
     for causal in (False, True):
@@ -161,27 +167,97 @@ EXERCISE = Exercise(
     title="Online softmax and the tiled forward pass",
     required=(ONLINE, FORWARD),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    cases=(
-        Case("online-softmax", 1.0, True, "the softmax of each row, computed in one pass over column blocks",
-             (ONLINE,), softmax_inputs, softmaxes),
-        Case("online-softmax-large-scores", 0.5, True, "large float32 scores neither overflow nor give NaN",
-             (ONLINE,), softmax_float32_inputs, softmaxes),
-        Case("forward-ragged", 1.5, True, "out and lse when L and S are not multiples of the blocks",
-             (FORWARD,), ragged, forward),
-        Case("forward-causal", 1.0, True, "out and lse with the causal mask, L == S", (FORWARD,),
-             causal_square, forward),
-        Case("forward-causal-more-queries", 1.0, True, "rows that attend nothing give out 0 and lse -inf",
-             (FORWARD,), causal_more_queries, forward),
-        Case("forward-default-blocks", 0.5, True, "the default block sizes", (FORWARD,), default_blocks, forward),
-        Case("memory-rule", 1.0, True, "no tensor larger than the inputs or one block of scores",
-             (FORWARD,), memory_inputs, forward_memory, rules=(MEMORY_RULE,)),
-        Case("work-rule", 1.0, True, "causal: blocks above the diagonal skipped (at most 0.6x the FLOPs)",
-             (FORWARD,), work_inputs, forward_work, rules=(WORK_RULE,)),
-        Case("online-softmax-random", 0.5, False, "random sizes and block sizes", (ONLINE,),
-             softmax_random, softmaxes),
-        Case("forward-random", 1.0, False, "random sizes, blocks, dtypes, causal or not", (FORWARD,),
-             random_sizes, forward),
-        Case("forward-random-more-queries", 1.0, False, "causal with L > S, random sizes", (FORWARD,),
-             random_more_queries, forward),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(1.0)
+def test_online_softmax(submission, reference, draw):
+    """the softmax of each row, computed in one pass over column blocks"""
+    inputs = softmax_inputs(draw)
+    got, expected = submission.softmaxes(inputs), reference.softmaxes(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_online_softmax_large_scores(submission, reference, draw):
+    """large float32 scores neither overflow nor give NaN"""
+    inputs = softmax_float32_inputs(draw)
+    got, expected = submission.softmaxes(inputs), reference.softmaxes(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_forward_ragged(submission, reference, draw):
+    """out and lse when L and S are not multiples of the blocks"""
+    inputs = ragged(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_forward_causal(submission, reference, draw):
+    """out and lse with the causal mask, L == S"""
+    inputs = causal_square(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_forward_causal_more_queries(submission, reference, draw):
+    """rows that attend nothing give out 0 and lse -inf"""
+    inputs = causal_more_queries(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_forward_default_blocks(submission, reference, draw):
+    """the default block sizes"""
+    inputs = default_blocks(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_memory_rule(submission, reference, draw):
+    """no tensor larger than the inputs or one block of scores"""
+    inputs = memory_inputs(draw)
+    got, expected = submission.forward_memory(inputs), reference.forward_memory(inputs)
+    assert_rule(got, expected, MEMORY_RULE, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_work_rule(submission, reference, draw):
+    """causal: blocks above the diagonal skipped (at most 0.6x the FLOPs)"""
+    inputs = work_inputs(draw)
+    got, expected = submission.forward_work(inputs), reference.forward_work(inputs)
+    assert_rule(got, expected, WORK_RULE, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+def test_online_softmax_random(submission, reference, draw):
+    """random sizes and block sizes"""
+    inputs = softmax_random(draw)
+    got, expected = submission.softmaxes(inputs), reference.softmaxes(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_forward_random(submission, reference, draw):
+    """random sizes, blocks, dtypes, causal or not"""
+    inputs = random_sizes(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_forward_random_more_queries(submission, reference, draw):
+    """causal with L > S, random sizes"""
+    inputs = random_more_queries(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_same(got, expected, inputs)

@@ -1,11 +1,20 @@
-"""`sdpa`: scaled dot-product attention and the bottom-right aligned causal mask."""
+"""`sdpa`: scaled dot-product attention and the bottom-right aligned causal mask.
+
+The tests of the exercise: each draws its inputs, makes the same calls on the learner's
+functions (`submission`) and on the course's solution (`reference`, float64), and holds one
+against the other. Run them on a notebook with
+`pytest autograde/tests/test_sdpa.py --notebook path/to/sdpa.ipynb [--seed N]`.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
+import pytest
+
+from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
 from autograde.observe import pair
+from autograde.testing import adapter, assert_same, returned_pair
 
 ATTENTION = "scaled_dot_product_attention"
 CAUSAL = "causal_mask"
@@ -38,6 +47,7 @@ def qkv(draw: Draw, lead: tuple[int, ...], L: int, S: int, d_k: int, d_v: int, d
     }
 
 
+@adapter
 def attend(functions, inputs: Inputs) -> dict:
     mask = {"mask": inputs["mask"]} if "mask" in inputs.values else {}
     call = "scaled_dot_product_attention(q, k, v" + (", mask=mask)" if mask else ")")
@@ -45,6 +55,7 @@ def attend(functions, inputs: Inputs) -> dict:
     return {"out": out, "weights": weights}
 
 
+@adapter
 def causal_masks(functions, inputs: Inputs) -> dict:
     return {
         f"causal_mask({', '.join(map(repr, args))})": functions.causal_mask(*args)
@@ -52,7 +63,7 @@ def causal_masks(functions, inputs: Inputs) -> dict:
     }
 
 
-# Visible cases.
+# Inputs of the visible tests.
 
 def no_mask(draw: Draw) -> Inputs:
     return Inputs(qkv(draw, (2, 3), L=4, S=6, d_k=8, d_v=5, dtype=torch.float64), "no mask, L != S, d_v != d_k")
@@ -82,7 +93,7 @@ def rectangular_causal(draw: Draw) -> Inputs:
     return Inputs({"calls": [(3, 6), (6, 3), (1, 4), (4, 1)]}, "L < S and L > S")
 
 
-# Hidden cases: shapes, dtypes and masks drawn from the instructor's seed.
+# Inputs of the hidden tests: shapes, dtypes and masks drawn from the instructor's seed.
 
 def random_shapes(draw: Draw) -> Inputs:
     lead = (draw.integer(1, 3),) if draw.integer(0, 1) else (draw.integer(1, 3), draw.integer(1, 4))
@@ -120,24 +131,83 @@ EXERCISE = Exercise(
     title="Scaled dot-product attention",
     required=(ATTENTION, CAUSAL),
     not_allowed=NOT_ALLOWED_ATTENTION,
-    cases=(
-        Case("no-mask", 1.5, True, "outputs and weights without a mask", (ATTENTION,), no_mask, attend),
-        Case("float32", 1.0, True, "float32 in, float32 out", (ATTENTION,), float32, attend),
-        Case("broadcast-mask", 1.0, True, "an (L, S) mask broadcast to every batch and head",
-             (ATTENTION,), broadcast_mask, attend),
-        Case("fully-masked-rows", 1.0, True, "rows with every key masked give weights 0 and output 0",
-             (ATTENTION,), fully_masked_rows, attend),
-        Case("causal-mask-square", 0.5, True, "causal_mask(L) is the lower triangle", (CAUSAL,),
-             square_causal, causal_masks),
-        Case("causal-mask-rectangular", 1.0, True, "causal_mask(L, S) is bottom-right aligned",
-             (CAUSAL,), rectangular_causal, causal_masks),
-        Case("random-shapes", 1.5, False, "random batch shapes, sizes and dtypes", (ATTENTION,),
-             random_shapes, attend),
-        Case("random-masks", 1.0, False, "random broadcast masks with fully masked rows", (ATTENTION,),
-             random_masks, attend),
-        Case("causal-attention", 1.0, False, "a causal mask with more queries than keys", (ATTENTION,),
-             causal_attention, attend),
-        Case("causal-mask-random", 0.5, False, "causal_mask for random L and S", (CAUSAL,),
-             random_causal, causal_masks),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(1.5)
+def test_no_mask(submission, reference, draw):
+    """outputs and weights without a mask"""
+    inputs = no_mask(draw)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    got = returned_pair(submission.scaled_dot_product_attention(q, k, v), "scaled_dot_product_attention(q, k, v)")
+    want = reference.scaled_dot_product_attention(q, k, v)
+    assert_same(dict(zip(("out", "weights"), got)), dict(zip(("out", "weights"), want)), inputs)
+
+
+@pytest.mark.points(1.0)
+def test_float32(submission, reference, draw):
+    """float32 in, float32 out"""
+    inputs = float32(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.points(1.0)
+def test_broadcast_mask(submission, reference, draw):
+    """an (L, S) mask broadcast to every batch and head"""
+    inputs = broadcast_mask(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.points(1.0)
+def test_fully_masked_rows(submission, reference, draw):
+    """rows with every key masked give weights 0 and output 0"""
+    inputs = fully_masked_rows(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.points(0.5)
+def test_causal_mask_square(submission, reference, draw):
+    """causal_mask(L) is the lower triangle"""
+    inputs = square_causal(draw)
+    assert_same(submission.causal_masks(inputs), reference.causal_masks(inputs), inputs)
+
+
+@pytest.mark.points(1.0)
+def test_causal_mask_rectangular(submission, reference, draw):
+    """causal_mask(L, S) is bottom-right aligned"""
+    inputs = rectangular_causal(draw)
+    assert_same(submission.causal_masks(inputs), reference.causal_masks(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_random_shapes(submission, reference, draw):
+    """random batch shapes, sizes and dtypes"""
+    inputs = random_shapes(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_random_masks(submission, reference, draw):
+    """random broadcast masks with fully masked rows"""
+    inputs = random_masks(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_causal_attention(submission, reference, draw):
+    """a causal mask with more queries than keys"""
+    inputs = causal_attention(draw)
+    assert_same(submission.attend(inputs), reference.attend(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+def test_causal_mask_random(submission, reference, draw):
+    """causal_mask for random L and S"""
+    inputs = random_causal(draw)
+    assert_same(submission.causal_masks(inputs), reference.causal_masks(inputs), inputs)

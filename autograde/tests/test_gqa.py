@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import pytest
 import torch
 from torch import nn
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
-from autograde.exercises.mha import PROJECTIONS, describe_layer
-from autograde.exercises.sdpa import bottom_right_causal, random_mask
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.tests.test_mha import PROJECTIONS, describe_layer
+from autograde.tests.test_sdpa import bottom_right_causal, random_mask
 from autograde.observe import ContractError, raised
 
 REPEAT, MODULE, CONVERT, BYTES = "repeat_kv", "GroupedQueryAttention", "mha_to_gqa", "kv_cache_bytes"
@@ -47,11 +49,13 @@ def module_inputs(x: torch.Tensor, d_model: int, num_heads: int, num_kv_heads: i
 
 # Probes.
 
+@adapter
 def repeats(functions, inputs: Inputs) -> dict:
     return {f"repeat_kv({name} of shape {tuple(inputs[name].shape)}, {n_rep})": functions.repeat_kv(inputs[name], n_rep)
             for name, n_rep in inputs["calls"]}
 
 
+@adapter
 def structure(functions, inputs: Inputs) -> dict:
     d_model, num_heads, num_kv_heads = inputs["d_model"], inputs["num_heads"], inputs["num_kv_heads"]
     outputs = {}
@@ -66,6 +70,7 @@ def structure(functions, inputs: Inputs) -> dict:
     return outputs
 
 
+@adapter
 def value_errors(functions, inputs: Inputs) -> dict:
     return {f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}) raises":
             raised(ValueError, functions.GroupedQueryAttention, d_model, num_heads, num_kv_heads)
@@ -90,12 +95,14 @@ def build_module(functions, inputs: Inputs) -> nn.Module:
     return module
 
 
+@adapter
 def attention(functions, inputs: Inputs) -> dict:
     module = build_module(functions, inputs)
     mask = inputs.get("mask")
     return {"out": module(inputs["x"]) if mask is None else module(inputs["x"], mask=mask)}
 
 
+@adapter
 def converted(functions, inputs: Inputs) -> dict:
     num_heads = inputs["num_heads"]
     state_dict = {name: value for name, value in inputs.values.items() if name.endswith(("weight", "bias"))}
@@ -111,6 +118,7 @@ def converted(functions, inputs: Inputs) -> dict:
     return outputs
 
 
+@adapter
 def cache_sizes(functions, inputs: Inputs) -> dict:
     outputs = {}
     for args, bytes_per_element in inputs["calls"]:
@@ -215,27 +223,99 @@ EXERCISE = Exercise(
     title="Multi-query and grouped-query attention",
     required=(REPEAT, MODULE, CONVERT, BYTES),
     not_allowed=NOT_ALLOWED_ATTENTION,
-    cases=(
-        Case("repeat-kv", 1.0, True, "output head j is input head j // n_rep", (REPEAT,), repeat_inputs, repeats),
-        Case("module-structure", 1.0, True, "projections of the contract's shapes, num_heads, num_kv_heads, head_dim",
-             (MODULE,), structure_inputs, structure),
-        Case("value-errors", 0.5, True, "ValueError when d_model % num_heads or num_heads % num_kv_heads is not 0",
-             (MODULE,), value_error_inputs, value_errors),
-        Case("grouped-attention", 1.5, True, "outputs of grouped-query self-attention with a causal mask",
-             (MODULE,), grouped_inputs, attention),
-        Case("mha-to-gqa", 1.0, True, "K and V heads mean-pooled per group, weights and biases; Q and O copied",
-             (CONVERT,), conversion_inputs, converted),
-        Case("kv-cache-bytes", 0.5, True, "the cache of real models, in bytes", (BYTES,), cache_bytes_inputs,
-             cache_sizes),
-        Case("multi-query", 1.0, False, "one key/value head for every query head", (MODULE,),
-             multi_query_inputs, attention),
-        Case("multi-head", 1.0, False, "num_kv_heads == num_heads is multi-head attention", (MODULE,),
-             multi_head_inputs, attention),
-        Case("grouped-random", 1.0, False, "random groupings, dtypes and masks", (MODULE,), grouped_random_inputs,
-             attention),
-        Case("mha-to-gqa-random", 1.0, False, "conversions to MQA, GQA and MHA", (CONVERT,),
-             conversion_random_inputs, converted),
-        Case("kv-cache-bytes-random", 0.5, False, "random configurations and bytes per element", (BYTES,),
-             cache_bytes_random_inputs, cache_sizes),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(1.0)
+def test_repeat_kv(submission, reference, draw):
+    """output head j is input head j // n_rep"""
+    inputs = repeat_inputs(draw)
+    got, expected = submission.repeats(inputs), reference.repeats(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_module_structure(submission, reference, draw):
+    """projections of the contract's shapes, num_heads, num_kv_heads, head_dim"""
+    inputs = structure_inputs(draw)
+    got, expected = submission.structure(inputs), reference.structure(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_value_errors(submission, reference, draw):
+    """ValueError when d_model % num_heads or num_heads % num_kv_heads is not 0"""
+    inputs = value_error_inputs(draw)
+    got, expected = submission.value_errors(inputs), reference.value_errors(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_grouped_attention(submission, reference, draw):
+    """outputs of grouped-query self-attention with a causal mask"""
+    inputs = grouped_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_mha_to_gqa(submission, reference, draw):
+    """K and V heads mean-pooled per group, weights and biases; Q and O copied"""
+    inputs = conversion_inputs(draw)
+    got, expected = submission.converted(inputs), reference.converted(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_kv_cache_bytes(submission, reference, draw):
+    """the cache of real models, in bytes"""
+    inputs = cache_bytes_inputs(draw)
+    got, expected = submission.cache_sizes(inputs), reference.cache_sizes(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_multi_query(submission, reference, draw):
+    """one key/value head for every query head"""
+    inputs = multi_query_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_multi_head(submission, reference, draw):
+    """num_kv_heads == num_heads is multi-head attention"""
+    inputs = multi_head_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_grouped_random(submission, reference, draw):
+    """random groupings, dtypes and masks"""
+    inputs = grouped_random_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_mha_to_gqa_random(submission, reference, draw):
+    """conversions to MQA, GQA and MHA"""
+    inputs = conversion_random_inputs(draw)
+    got, expected = submission.converted(inputs), reference.converted(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+def test_kv_cache_bytes_random(submission, reference, draw):
+    """random configurations and bytes per element"""
+    inputs = cache_bytes_random_inputs(draw)
+    got, expected = submission.cache_sizes(inputs), reference.cache_sizes(inputs)
+    assert_same(got, expected, inputs)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Case, Draw, Exercise, Inputs
-from autograde.exercises.flash_forward import (
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
+from autograde.tests.test_flash_forward import (
     BLOCK_SIZES, FORWARD, HEAD_DIMS, attention_inputs, call_text, memory_limit, options_of, rows_attending_nothing,
     whole_scores_note,
 )
-from autograde.exercises.sdpa import bottom_right_causal
+from autograde.tests.test_sdpa import bottom_right_causal
 from autograde.observe import ContractError, kind_of
 
 BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
@@ -64,6 +66,7 @@ def apply_function(functions, inputs: Inputs) -> tuple:
 
 # Probes.
 
+@adapter
 def backward(functions, inputs: Inputs) -> dict:
     options = options_of(inputs)
     tensors = [inputs[name] for name in ("q", "k", "v", "out", "lse", "dout")]
@@ -72,18 +75,21 @@ def backward(functions, inputs: Inputs) -> dict:
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
+@adapter
 def backward_memory(functions, inputs: Inputs) -> dict:
     with rules.Footprint() as footprint:
         observed = backward(functions, inputs)
     return {**observed, LARGEST: footprint.largest, MEMORY_LIMIT: memory_limit(inputs)}
 
 
+@adapter
 def apply_gradients(functions, inputs: Inputs) -> dict:
     q, k, v, out = apply_function(functions, inputs)
     (out * inputs["dout"]).sum().backward()
     return {"out": out, "q.grad": q.grad, "k.grad": k.grad, "v.grad": v.grad}
 
 
+@adapter
 def saved_tensors(functions, inputs: Inputs) -> dict:
     q, k, v, out = apply_function(functions, inputs)
     known = {"q": q, "k": k, "v": v, "out": out, "lse": inputs["lse"]}
@@ -147,22 +153,72 @@ EXERCISE = Exercise(
     title="The tiled backward pass",
     required=(FORWARD, BACKWARD, FUNCTION),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    cases=(
-        Case("backward-ragged", 1.5, True, "dq, dk, dv when L and S are not multiples of the blocks",
-             (BACKWARD,), ragged, backward),
-        Case("backward-causal", 1.0, True, "dq, dk, dv with the causal mask, L == S", (BACKWARD,),
-             causal_square, backward),
-        Case("backward-causal-more-queries", 1.0, True, "rows with lse -inf contribute no gradient",
-             (BACKWARD,), causal_more_queries, backward),
-        Case("backward-memory-rule", 1.0, True, "no tensor larger than the inputs or one block of scores",
-             (BACKWARD,), memory_inputs, backward_memory, rules=(MEMORY_RULE,)),
-        Case("flash-attention-apply", 1.5, True, "FlashAttention.apply: out and the gradients of q, k, v",
-             (FUNCTION,), apply_inputs, apply_gradients),
-        Case("saved-tensors-rule", 1.0, True, "FlashAttention saves exactly q, k, v, out, lse for the backward",
-             (FUNCTION,), saved_inputs, saved_tensors, rules=(SAVED_RULE,)),
-        Case("backward-random", 1.5, False, "random sizes, blocks, dtypes, causal or not", (BACKWARD,),
-             random_backward, backward),
-        Case("flash-attention-apply-random", 1.5, False, "FlashAttention.apply, causal, random sizes",
-             (FUNCTION,), random_apply, apply_gradients),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(1.5)
+def test_backward_ragged(submission, reference, draw):
+    """dq, dk, dv when L and S are not multiples of the blocks"""
+    inputs = ragged(draw)
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_backward_causal(submission, reference, draw):
+    """dq, dk, dv with the causal mask, L == S"""
+    inputs = causal_square(draw)
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_backward_causal_more_queries(submission, reference, draw):
+    """rows with lse -inf contribute no gradient"""
+    inputs = causal_more_queries(draw)
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_backward_memory_rule(submission, reference, draw):
+    """no tensor larger than the inputs or one block of scores"""
+    inputs = memory_inputs(draw)
+    got, expected = submission.backward_memory(inputs), reference.backward_memory(inputs)
+    assert_rule(got, expected, MEMORY_RULE, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_flash_attention_apply(submission, reference, draw):
+    """FlashAttention.apply: out and the gradients of q, k, v"""
+    inputs = apply_inputs(draw)
+    got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_saved_tensors_rule(submission, reference, draw):
+    """FlashAttention saves exactly q, k, v, out, lse for the backward"""
+    inputs = saved_inputs(draw)
+    got, expected = submission.saved_tensors(inputs), reference.saved_tensors(inputs)
+    assert_rule(got, expected, SAVED_RULE, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_backward_random(submission, reference, draw):
+    """random sizes, blocks, dtypes, causal or not"""
+    inputs = random_backward(draw)
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_flash_attention_apply_random(submission, reference, draw):
+    """FlashAttention.apply, causal, random sizes"""
+    inputs = random_apply(draw)
+    got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
+    assert_same(got, expected, inputs)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Case, Draw, Exercise, Inputs
-from autograde.exercises.flash_forward import HEAD_DIMS, attention_inputs, rows_attending_nothing
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
+from autograde.tests.test_flash_forward import HEAD_DIMS, attention_inputs, rows_attending_nothing
 from autograde.observe import ContractError, pair
 
 TRITON = "flash_attention_triton"
@@ -31,6 +33,7 @@ def on_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@adapter
 def triton_attention(functions, inputs: Inputs) -> dict:
     device = on_device()
     # float32 on both sides: the reference receives the inputs in float64, but its kernel, like
@@ -90,19 +93,63 @@ EXERCISE = Exercise(
     title="FlashAttention forward in Triton",
     required=(TRITON,),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    cases=(
-        Case("triton-square", 2.0, True, "out and lse from a Triton kernel, L == S", (TRITON,), square,
-             triton_attention, rules=(LAUNCH_RULE,)),
-        Case("triton-ragged", 2.0, True, "out and lse when L and S are not multiples of the blocks", (TRITON,),
-             ragged, triton_attention, rules=(LAUNCH_RULE,)),
-        Case("triton-causal", 2.0, True, "the causal mask, L == S", (TRITON,), causal_square, triton_attention,
-             rules=(LAUNCH_RULE,)),
-        Case("triton-causal-more-queries", 1.5, True, "rows that attend nothing give out 0 and lse -inf",
-             (TRITON,), causal_more_queries, triton_attention, rules=(LAUNCH_RULE,)),
-        Case("triton-random", 1.5, False, "random sizes up to 256, causal or not", (TRITON,), random_sizes,
-             triton_attention, rules=(LAUNCH_RULE,)),
-        Case("triton-random-more-queries", 1.0, False, "causal with L > S, random sizes", (TRITON,),
-             random_more_queries, triton_attention, rules=(LAUNCH_RULE,)),
-    ),
     env=INTERPRET,
 )
+
+
+# The tests.
+
+@pytest.mark.points(2.0)
+def test_triton_square(submission, reference, draw):
+    """out and lse from a Triton kernel, L == S"""
+    inputs = square(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)
+
+
+@pytest.mark.points(2.0)
+def test_triton_ragged(submission, reference, draw):
+    """out and lse when L and S are not multiples of the blocks"""
+    inputs = ragged(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)
+
+
+@pytest.mark.points(2.0)
+def test_triton_causal(submission, reference, draw):
+    """the causal mask, L == S"""
+    inputs = causal_square(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_triton_causal_more_queries(submission, reference, draw):
+    """rows that attend nothing give out 0 and lse -inf"""
+    inputs = causal_more_queries(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_triton_random(submission, reference, draw):
+    """random sizes up to 256, causal or not"""
+    inputs = random_sizes(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_triton_random_more_queries(submission, reference, draw):
+    """causal with L > S, random sizes"""
+    inputs = random_more_queries(draw)
+    got, expected = submission.triton_attention(inputs), reference.triton_attention(inputs)
+    assert_same(got, expected, inputs, ignore=LAUNCH_RULE.keys)
+    assert_rule(got, expected, LAUNCH_RULE, inputs)

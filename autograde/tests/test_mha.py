@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Case, Draw, Exercise, Inputs
-from autograde.exercises.sdpa import random_mask
+from autograde.testing import adapter, assert_rule, assert_same
+from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.tests.test_sdpa import random_mask
 from autograde.observe import ContractError, pair, raised
 
 SPLIT, MERGE, MODULE, LOAD = "split_heads", "merge_heads", "MultiHeadAttention", "load_torch_mha"
@@ -51,11 +53,13 @@ def forward(module, *args, mask=None) -> tuple:
 
 # Probes.
 
+@adapter
 def heads(functions, inputs: Inputs) -> dict:
     x = inputs["x"]
     return {f"split_heads(x, {h})": functions.split_heads(x, h) for h in inputs["num_heads"]}
 
 
+@adapter
 def round_trip(functions, inputs: Inputs) -> dict:
     outputs = {
         f"merge_heads(split_heads(x, {h}))": functions.merge_heads(functions.split_heads(inputs["x"], h))
@@ -65,6 +69,7 @@ def round_trip(functions, inputs: Inputs) -> dict:
     return outputs
 
 
+@adapter
 def indivisible(functions, inputs: Inputs) -> dict:
     x = inputs["x"]
     return {
@@ -73,6 +78,7 @@ def indivisible(functions, inputs: Inputs) -> dict:
     }
 
 
+@adapter
 def structure(functions, inputs: Inputs) -> dict:
     d_model, num_heads = inputs["d_model"], inputs["num_heads"]
     outputs = {}
@@ -88,6 +94,7 @@ def structure(functions, inputs: Inputs) -> dict:
     return outputs
 
 
+@adapter
 def attention(functions, inputs: Inputs) -> dict:
     module = build_module(functions, inputs, inputs["query"].dtype)
     set_projections(module, inputs)
@@ -96,6 +103,7 @@ def attention(functions, inputs: Inputs) -> dict:
     return {"out": out, "weights": weights}
 
 
+@adapter
 def defaults(functions, inputs: Inputs) -> dict:
     module = build_module(functions, inputs, inputs["query"].dtype)
     set_projections(module, inputs)
@@ -105,6 +113,7 @@ def defaults(functions, inputs: Inputs) -> dict:
             "module(query, key)[0]": cross_out, "module(query, key)[1]": cross_weights}
 
 
+@adapter
 def loaded(functions, inputs: Inputs) -> dict:
     dtype = inputs["query"].dtype
     d_model, num_heads, bias = inputs["d_model"], inputs["num_heads"], inputs["bias"]
@@ -220,6 +229,7 @@ def random_heads_inputs(draw: Draw) -> Inputs:
     return Inputs({"x": x, "y": y, "num_heads": [num_heads, 1]})
 
 
+@adapter
 def heads_and_round_trip(functions, inputs: Inputs) -> dict:
     return {**heads(functions, inputs), **round_trip(functions, inputs)}
 
@@ -230,26 +240,90 @@ EXERCISE = Exercise(
     title="Multi-head attention",
     required=(SPLIT, MERGE, MODULE, LOAD),
     not_allowed=NOT_ALLOWED_ATTENTION,
-    cases=(
-        Case("split-heads", 0.5, True, "(B, T, H*d) -> (B, H, T, d), head h holding features h*d to (h+1)*d",
-             (SPLIT,), split_inputs, heads),
-        Case("merge-heads", 0.5, True, "merge_heads undoes split_heads", (SPLIT, MERGE), round_trip_inputs,
-             round_trip),
-        Case("split-heads-value-error", 0.5, True, "ValueError when the width is not divisible by the heads",
-             (SPLIT,), indivisible_inputs, indivisible),
-        Case("module-structure", 1.0, True, "q_proj, k_proj, v_proj, o_proj and the ValueError",
-             (MODULE,), structure_inputs, structure),
-        Case("self-attention", 1.5, True, "outputs and per-head weights of self-attention", (MODULE,),
-             self_attention_inputs, attention),
-        Case("load-torch-mha", 1.5, True, "loads nn.MultiheadAttention's packed weights and biases",
-             (MODULE, LOAD), load_cross_inputs, loaded),
-        Case("masked-cross-attention", 1.5, False, "cross-attention with a broadcast mask", (MODULE,),
-             masked_cross_inputs, attention),
-        Case("default-key-value", 1.0, False, "key defaults to query and value to key", (MODULE,),
-             defaults_inputs, defaults),
-        Case("load-torch-mha-no-bias", 1.5, False, "loads an nn.MultiheadAttention without biases",
-             (MODULE, LOAD), load_no_bias_inputs, loaded),
-        Case("heads-random", 0.5, False, "split_heads and merge_heads on random sizes", (SPLIT, MERGE),
-             random_heads_inputs, heads_and_round_trip),
-    ),
 )
+
+
+# The tests.
+
+@pytest.mark.points(0.5)
+def test_split_heads(submission, reference, draw):
+    """(B, T, H*d) -> (B, H, T, d), head h holding features h*d to (h+1)*d"""
+    inputs = split_inputs(draw)
+    got, expected = submission.heads(inputs), reference.heads(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_merge_heads(submission, reference, draw):
+    """merge_heads undoes split_heads"""
+    inputs = round_trip_inputs(draw)
+    got, expected = submission.round_trip(inputs), reference.round_trip(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+def test_split_heads_value_error(submission, reference, draw):
+    """ValueError when the width is not divisible by the heads"""
+    inputs = indivisible_inputs(draw)
+    got, expected = submission.indivisible(inputs), reference.indivisible(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.0)
+def test_module_structure(submission, reference, draw):
+    """q_proj, k_proj, v_proj, o_proj and the ValueError"""
+    inputs = structure_inputs(draw)
+    got, expected = submission.structure(inputs), reference.structure(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_self_attention(submission, reference, draw):
+    """outputs and per-head weights of self-attention"""
+    inputs = self_attention_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(1.5)
+def test_load_torch_mha(submission, reference, draw):
+    """loads nn.MultiheadAttention's packed weights and biases"""
+    inputs = load_cross_inputs(draw)
+    got, expected = submission.loaded(inputs), reference.loaded(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_masked_cross_attention(submission, reference, draw):
+    """cross-attention with a broadcast mask"""
+    inputs = masked_cross_inputs(draw)
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.0)
+def test_default_key_value(submission, reference, draw):
+    """key defaults to query and value to key"""
+    inputs = defaults_inputs(draw)
+    got, expected = submission.defaults(inputs), reference.defaults(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(1.5)
+def test_load_torch_mha_no_bias(submission, reference, draw):
+    """loads an nn.MultiheadAttention without biases"""
+    inputs = load_no_bias_inputs(draw)
+    got, expected = submission.loaded(inputs), reference.loaded(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+def test_heads_random(submission, reference, draw):
+    """split_heads and merge_heads on random sizes"""
+    inputs = random_heads_inputs(draw)
+    got, expected = submission.heads_and_round_trip(inputs), reference.heads_and_round_trip(inputs)
+    assert_same(got, expected, inputs)

@@ -1,0 +1,285 @@
+"""The `submission` and `reference` fixtures' objects: a call by name, its result as observations.
+
+`SandboxedSubmission` runs a notebook's cells in a sandboxed worker (`worker.py`, forked by
+the fork server) and sends it each call over a Unix socket; arguments go out as `.npy` files,
+results come back as `.npy` files and JSON, read header first (`wire.py`), never unpickled.
+`LocalSubmission` makes the same calls on a namespace in this process: the learner's own kernel
+for `check()`. `Reference` makes them on the course's solution, in float64, in this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autograde import reference as solutions
+from autograde import sandbox, wire
+from autograde.calls import LearnerCalls, callable_names
+from autograde.cases import Exercise, Inputs
+from autograde.forbidden import Tripwire, Violation
+from autograde.observe import Failure, failure_from, observe
+
+GRACE = 10.0  # seconds the grading process waits past a call's own limit before it gives up on the worker
+
+
+class LearnerFailed(AssertionError):
+    """The learner's call raised, ran out of time, or could not run: a failed test, with why."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.describe())
+        self.failure = failure
+
+
+def describe_arguments(args: tuple, kwargs: dict) -> str:
+    parts = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Inputs):
+            parts.append(value.describe())
+        elif isinstance(value, torch.Tensor):
+            parts.append(f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}")
+        elif isinstance(value, (dict, list, tuple)):
+            parts.append(f"a {type(value).__name__} of {len(value)}")
+        else:
+            parts.append(repr(value))
+    return ", ".join(parts)
+
+
+class _Proxy:
+    """`proxy.name(*args, **kwargs)` -> `proxy.call(name, args, kwargs)`, for the exercise's names only."""
+
+    def __init__(self, exercise: Exercise):
+        self.exercise = exercise
+        self.names = callable_names(exercise)
+        self.seconds = 20.0  # the current test's limit for one call
+        self.test = ""  # the current test's name
+        self.log: list[str] = []  # the calls of the current test, described
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self.names:
+            raise AttributeError(f"{type(self).__name__} of {self.exercise.id!r} has no call {name!r}; "
+                                 f"the calls are {', '.join(sorted(self.names))}")
+        return lambda *args, **kwargs: self.call(name, args, kwargs)
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+
+class Reference(_Proxy):
+    """The course's solution (`solutions/`), called in this process on float64 copies of the arguments."""
+
+    def __init__(self, exercise: Exercise):
+        super().__init__(exercise)
+        self._calls = LearnerCalls(exercise, solutions.namespace(exercise))
+        self._cache: dict[str, Any] = {}
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = _float64(args), _float64(kwargs)
+        key = _fingerprint(name, args, kwargs)
+        if key not in self._cache:
+            try:
+                self._cache[key] = observe(self._calls(name, args, kwargs))
+            except Exception as exc:
+                raise RuntimeError(f"the reference fails {self.exercise.id}: {name}: "
+                                   f"{failure_from(exc).describe()}") from exc
+        return self._cache[key]
+
+
+def _float64(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).requires_grad_(value.requires_grad) if value.is_floating_point() else value
+    if isinstance(value, Inputs):
+        return value.cast(torch.float64)
+    if isinstance(value, dict):
+        return {key: _float64(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_float64(item) for item in value)
+    return value
+
+
+def _fingerprint(name: str, *values: Any) -> str:
+    digest = hashlib.sha256(name.encode())
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(f"T{value.dtype}{tuple(value.shape)}{value.requires_grad}".encode())
+            digest.update(value.detach().contiguous().numpy().tobytes())
+        elif isinstance(value, Inputs):
+            digest.update(b"I" + value.note.encode())
+            feed(dict(value.values))
+        elif isinstance(value, dict):
+            digest.update(b"D")
+            for key, item in value.items():
+                digest.update(repr(key).encode())
+                feed(item)
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"L{len(value)}".encode())
+            for item in value:
+                feed(item)
+        else:
+            digest.update(repr(value).encode())
+
+    for value in values:
+        feed(value)
+    return digest.hexdigest()
+
+
+class LocalSubmission(_Proxy):
+    """The learner's functions in this process (their own kernel): calls observed as the worker observes them."""
+
+    def __init__(self, exercise: Exercise, namespace: dict):
+        super().__init__(exercise)
+        self._calls = LearnerCalls(exercise, namespace)
+        self.tripwire = Tripwire(exercise.not_allowed)
+        self.missing = [name for name in exercise.required if name not in namespace]
+        self.uses: dict[str, set[str]] = {}  # test -> the learner's functions its calls used
+
+    @property
+    def violations(self) -> list[Violation]:
+        return self.tripwire.violations
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        self.log.append(f"{name}({describe_arguments(args, kwargs)})")
+        learner = self._calls.learner
+        learner.used.clear()
+        try:
+            with self.tripwire:
+                return observe(self._calls(name, args, kwargs))
+        except Exception as exc:
+            raise LearnerFailed(failure_from(exc)) from None
+        finally:
+            self.uses.setdefault(self.test, set()).update(learner.used)
+
+
+class SandboxedSubmission(_Proxy):
+    """A notebook's code in a sandboxed worker; `close()` ends it and says how it ended."""
+
+    def __init__(self, exercise: Exercise, cells: list[tuple[int, str]], limits: sandbox.Limits):
+        super().__init__(exercise)
+        self.limits = limits
+        self._scratch = tempfile.TemporaryDirectory(prefix="autograde-")
+        folder = Path(self._scratch.name)
+        self._work = folder / "work"
+        (self._work / "in").mkdir(parents=True)
+        # Held open: the worker owns `work` and could put a link where `in` was.
+        self._inputs = os.open(self._work / "in", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        wire.write_json(self._work / "job.json", {"exercise": exercise.id, "cell_seconds": limits.cell_seconds,
+                                                  "cells": [list(cell) for cell in cells]})
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self._work / "channel.sock"))
+        self._listener.listen(1)
+        (self._work / "channel.sock").chmod(0o666)  # the worker runs as a uid of its own
+        self._deadline = time.monotonic() + limits.wall_seconds
+        self._running = sandbox.fork_server().start(folder, limits, exercise.env)
+        self._names = (f"a{n}" for n in itertools.count())
+        self._channel: socket.socket | None = None
+        self.gone = ""  # why no more calls can be made, once that is so
+        self.doing = "its cells"
+        self.violations: list[Violation] = []
+        self.failed_cells: list[Failure] = []
+        self.missing: list[str] = []
+        self.outcome: sandbox.ProcessOutcome | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        self._listener.settimeout(0.05)
+        while self._channel is None:
+            try:
+                self._channel, _ = self._listener.accept()
+            except socket.timeout:
+                if self._running.finished or time.monotonic() > self._deadline:
+                    self.gone = "before it had run the notebook's cells"
+                    return
+        self._reader = wire.MessageReader(self._channel)
+        ready = self._receive(max(0.1, self._deadline - time.monotonic()))
+        if ready is None:
+            return
+        try:
+            self.failed_cells = [Failure(*wire.strings(item, 5)[1:]) for item in wire.entries(ready, "cells")]
+            self.missing = wire.strings(wire.entries(ready, "missing"), len(wire.entries(ready, "missing")))
+        except wire.WireError as exc:
+            self._give_up(f"with a malformed message ({exc})")
+
+    def _give_up(self, why: str) -> None:
+        self.gone = why
+        self._running.kill()
+
+    def _receive(self, seconds: float) -> dict | None:
+        self._channel.settimeout(seconds)
+        try:
+            message = self._reader.read()
+        except socket.timeout:
+            self._give_up(f"while it was running {self.doing} (no answer in time)")
+            return None
+        except (wire.WireError, OSError) as exc:
+            self._give_up(f"during {self.doing}, sending what could not be read ({exc})")
+            return None
+        if message is None:
+            self.gone = f"during {self.doing}"
+        return message
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        self.log.append(f"{name}({describe_arguments(args, kwargs)})")
+        if self.gone:
+            raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}"))
+        self.doing = f"{name}(...)"
+        seconds = min(self.seconds, max(0.1, self._deadline - time.monotonic()))
+        request = {"call": name, "seconds": seconds,
+                   "args": wire.encode_arguments(list(args), self._inputs, self._names),
+                   "kwargs": wire.encode_arguments(kwargs, self._inputs, self._names)}
+        try:
+            wire.send_message(self._channel, request)
+        except OSError:
+            self.gone = f"before {self.doing}"
+            raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}")) from None
+        reply = self._receive(seconds + GRACE)
+        _remove_contents(self._inputs)
+        if reply is None:
+            raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}"))
+        try:
+            self.violations = [Violation(*wire.strings(item, 2)) for item in wire.entries(reply, "violations")]
+            if "failure" in reply:
+                raise LearnerFailed(Failure(*wire.strings(reply["failure"], 4)))
+            return wire.decode_result(reply.get("result"), self._work / "out")
+        except wire.WireError as exc:
+            self._give_up(f"during {self.doing}, sending what could not be read ({exc})")
+            raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}")) from None
+        finally:
+            try:
+                out = os.open(self._work / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError:
+                pass
+            else:
+                _remove_contents(out)
+                os.close(out)
+
+    def close(self) -> sandbox.ProcessOutcome:
+        if self.outcome is None:
+            if self._channel is not None and not self.gone:
+                try:
+                    wire.send_message(self._channel, {"done": True})
+                except OSError:
+                    pass
+            self.outcome = self._running.wait()
+            for resource in (self._channel, self._listener):
+                if resource is not None:
+                    resource.close()
+            os.close(self._inputs)
+            self._scratch.cleanup()
+        return self.outcome
+
+
+def _remove_contents(folder: int) -> None:
+    """Empty the folder open as `folder`, without following links (the worker may have made some)."""
+    for name in os.listdir(folder):
+        try:
+            os.unlink(name, dir_fd=folder)
+        except OSError:
+            pass

@@ -1,0 +1,154 @@
+"""One pytest run of an exercise's tests on one submission, and what it found.
+
+`autograde/tests/conftest.py` (the tests' plugin) asks the run's `Session` for the exercise's
+`submission` and records each test's result in it. Every front end makes a `Session` and runs
+pytest with it: the instructor's `pytest autograde/tests/test_<id>.py --notebook ...`
+(`Session.from_options`), the grader (`grading.py`), `check()` and nbgrader's test cells
+(`self_check.py`, in the learner's kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from autograde import registry
+from autograde.cases import Exercise
+from autograde.compare import CaseResult
+from autograde.forbidden import Violation
+from autograde.observe import Failure
+from autograde.proxies import LearnerFailed, LocalSubmission, Reference, SandboxedSubmission, _Proxy
+
+PLUGIN_NAME = "autograde-session"
+SEED_VARIABLE = "AUTOGRADE_SEED"
+
+
+def report_name(nodeid: str) -> str:
+    """`test_file.py::test_no_mask[3-D]` -> `no-mask[3-D]`: how reports name a test."""
+    function = nodeid.split("::")[-1]
+    base, _, params = function.partition("[")
+    return base.removeprefix("test_").replace("_", "-") + (f"[{params}" if params else "")
+
+
+@dataclass(frozen=True)
+class TestInfo:
+    name: str
+    points: float
+    visible: bool
+    about: str
+
+
+class Blocked(_Proxy):
+    """A submission that cannot run (not allowed, unreadable): every call fails with the reason."""
+
+    def __init__(self, exercise: Exercise, reason: str):
+        super().__init__(exercise)
+        self.reason = reason
+
+    def call(self, name, args, kwargs):
+        raise LearnerFailed(Failure("not run", "", f"not run: {self.reason}"))
+
+
+@dataclass
+class Session:
+    """The submission to test, the hidden tests' seed, and the results as pytest reports them."""
+
+    exercise: Exercise
+    open_submission: Callable[[], _Proxy] | None  # None: collect the tests without running them
+    hidden_seed: int | None = None
+    visible_only: bool = False
+    results: dict[str, CaseResult] = field(default_factory=dict)
+    catalogue: list[TestInfo] = field(default_factory=list)
+    submission: _Proxy | None = None
+    references: dict[str, Reference] = field(default_factory=dict)
+
+    def open(self) -> _Proxy:
+        if self.submission is None:
+            self.submission = self.open_submission()
+        return self.submission
+
+    def reference(self) -> Reference:
+        return _reference(self.exercise)
+
+    def close(self) -> None:
+        if isinstance(self.submission, SandboxedSubmission):
+            self.submission.close()
+
+    @property
+    def violations(self) -> list[Violation]:
+        return list(getattr(self.submission, "violations", []))
+
+    def run(self, *selection: str, quiet: bool = True) -> int:
+        """Run the exercise's tests (`selection`: node ids' function names, default all) with pytest."""
+        path = registry.test_file(self.exercise)
+        targets = [f"{path}::{name}" for name in selection] or [str(path)]
+        arguments = [*targets, "-p", "no:cacheprovider"]
+        if quiet:
+            arguments += ["-p", "no:terminal", "-p", "no:warnings", "-p", "no:faulthandler"]
+        if self.open_submission is None:
+            arguments.append("--collect-only")
+        output = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(output) if quiet else contextlib.nullcontext():
+                return pytest.main(arguments, plugins=[_Plugin(self)])
+        finally:
+            self.close()
+
+
+_references: dict[str, Reference] = {}
+
+
+def _reference(exercise: Exercise) -> Reference:
+    """One per exercise and process: it caches what the solution returned for each call."""
+    if exercise.id not in _references:
+        _references[exercise.id] = Reference(exercise)
+    return _references[exercise.id]
+
+
+class _Plugin:
+    """Registers the session where the tests' conftest finds it."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(self, config):
+        config.stash[SESSION_KEY] = self.session
+
+
+SESSION_KEY = pytest.StashKey[Session]()
+
+
+_catalogues: dict[str, tuple[TestInfo, ...]] = {}
+
+
+def catalogue(exercise: Exercise) -> tuple[TestInfo, ...]:
+    """The exercise's tests (names, points, visibility, what each checks), from pytest's collection."""
+    if exercise.id not in _catalogues:
+        session = Session(exercise, None)
+        session.run()
+        if not session.catalogue:
+            raise RuntimeError(f"no tests collected for {exercise.id} from {registry.test_file(exercise)}")
+        _catalogues[exercise.id] = tuple(session.catalogue)
+    return _catalogues[exercise.id]
+
+
+def max_score(exercise: Exercise) -> float:
+    return sum(test.points for test in catalogue(exercise))
+
+
+def hidden_seed_from_environment() -> int | None:
+    value = os.environ.get(SEED_VARIABLE)
+    return int(value) if value else None
+
+
+def default_notebook(exercise: Exercise) -> Path:
+    from autograde.reference import SOLUTIONS
+
+    return SOLUTIONS / exercise.notebook

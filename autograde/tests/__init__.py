@@ -1,0 +1,1 @@
+"""The exercises' tests: one pytest module per exercise (see conftest.py)."""

@@ -1,0 +1,176 @@
+"""The exercises' tests as a pytest plugin: markers, options and the fixtures every test uses.
+
+Run the tests of one exercise on one notebook, as an instructor:
+
+    pytest autograde/tests/test_sdpa.py --notebook submitted/ada/attention/sdpa.ipynb --seed 12345
+
+Without `--notebook` they run on the course's solution; without `--seed` (or $AUTOGRADE_SEED)
+the hidden tests are not run. `-k`, `-x`, `--junitxml` and the rest of pytest work as usual.
+The learner's code runs in a sandboxed worker; this process only sends it calls and reads
+back what they returned (`autograde/proxies.py`).
+
+Markers:
+    @pytest.mark.points(1.5)   the test's points (shared equally by its parametrised cases)
+    @pytest.mark.hidden        inputs from the instructor's seed; feedback names the test only
+    @pytest.mark.time_limit(60)  seconds for one call of the learner's code (default 20)
+
+Fixtures:
+    submission   the learner's functions and the module's adapters, by name
+    reference    the same calls on the course's solution, in float64
+    draw         seeded random inputs (`autograde.cases.Draw`)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from autograde import registry
+from autograde.cases import Draw, test_seed
+from autograde.compare import CaseResult
+from autograde.proxies import LearnerFailed
+from autograde.session import (SESSION_KEY, Session, TestInfo, default_notebook, hidden_seed_from_environment,
+                               report_name)
+
+DEFAULT_TIME_LIMIT = 20.0
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("autograde", "the course's exercise tests")
+    group.addoption("--notebook", type=Path, help="the notebook to test (default: the exercise's solution)")
+    group.addoption("--seed", type=int, help="seed of the hidden tests (default: $AUTOGRADE_SEED; "
+                                             "without either, the hidden tests are not run)")
+    group.addoption("--visible-only", action="store_true", help="run the visible tests only")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "points(value): the points of the test, shared by its parametrised cases")
+    config.addinivalue_line("markers", "hidden: inputs drawn from the instructor's seed; reported by name only")
+    config.addinivalue_line("markers", "time_limit(seconds): the limit on one call of the learner's code")
+
+
+def _exercise_of(item) -> object:
+    return registry.get(item.module.EXERCISE.id)
+
+
+def _session(config, exercise) -> Session:
+    """The front end's session, or, for a plain `pytest` run, one made from the options."""
+    if SESSION_KEY not in config.stash:
+        from autograde.grade import open_notebook
+
+        seed = config.getoption("--seed")
+        seed = seed if seed is not None else hidden_seed_from_environment()
+        path = config.getoption("--notebook") or default_notebook(exercise)
+        config.stash[SESSION_KEY] = Session(exercise, lambda: open_notebook(exercise, path), seed,
+                                            config.getoption("--visible-only"))
+    return config.stash[SESSION_KEY]
+
+
+def _points(item) -> float:
+    marker = item.get_closest_marker("points")
+    if marker is None:
+        raise pytest.UsageError(f"{item.nodeid} has no @pytest.mark.points(...)")
+    return float(marker.args[0])
+
+
+def pytest_collection_modifyitems(session, config, items):
+    kept, dropped = [], []
+    cases = Counter(item.function for item in items)
+    for item in items:
+        exercise = _exercise_of(item)
+        run = _session(config, exercise)
+        visible = item.get_closest_marker("hidden") is None
+        info = TestInfo(report_name(item.nodeid), _points(item) / cases[item.function], visible,
+                        (item.function.__doc__ or "").strip().split("\n")[0])
+        item.stash[INFO_KEY] = info
+        collecting = run.open_submission is None  # the catalogue: every test, none run
+        if collecting or visible or (run.hidden_seed is not None and not run.visible_only):
+            kept.append(item)
+            run.catalogue.append(info)
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+INFO_KEY = pytest.StashKey[TestInfo]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    run = item.config.stash.get(SESSION_KEY, None)
+    info = item.stash.get(INFO_KEY, None)
+    if run is None or info is None or (report.when != "call" and report.passed):
+        return
+    if report.failed or report.skipped:
+        problems = _problems(call.excinfo) if call.excinfo is not None else ("skipped",)
+    else:
+        problems = ()
+    previous = run.results.get(info.name)
+    if previous is not None and previous.problems:
+        return  # the first failure (setup or call) is the one to report
+    submission = run.submission
+    inputs = "; ".join(getattr(submission, "log", [])[:6])
+    run.results[info.name] = CaseResult(info.name, info.points, info.visible, info.about, inputs, problems)
+
+
+def _problems(excinfo) -> tuple[str, ...]:
+    error = excinfo.value
+    if isinstance(error, (AssertionError, LearnerFailed)):
+        text = str(error).strip() or "assertion failed"
+    elif isinstance(error, pytest.skip.Exception):
+        text = f"skipped: {error.msg}"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return tuple(line for line in text.splitlines() if line.strip())
+
+
+@pytest.fixture(scope="module")
+def exercise(request):
+    return registry.get(request.module.EXERCISE.id)
+
+
+@pytest.fixture
+def submission(request, exercise):
+    proxy = _session(request.config, exercise).open()
+    marker = request.node.get_closest_marker("time_limit")
+    proxy.seconds = float(marker.args[0]) if marker else DEFAULT_TIME_LIMIT
+    proxy.log = []
+    proxy.test = report_name(request.node.nodeid)
+    return proxy
+
+
+@pytest.fixture
+def reference(request, exercise):
+    return _session(request.config, exercise).reference()
+
+
+@pytest.fixture
+def draw(request, exercise):
+    run = _session(request.config, exercise)
+    hidden = request.node.get_closest_marker("hidden") is not None
+    return Draw(test_seed(exercise.id, report_name(request.node.nodeid), run.hidden_seed if hidden else None))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    run = config.stash.get(SESSION_KEY, None)
+    if run is None or run.open_submission is None or run.submission is None:
+        return
+    earned = sum(r.points for r in run.results.values() if not r.problems)
+    possible = sum(info.points for info in run.catalogue)
+    violations = run.violations
+    line = f"{run.exercise.id}: {earned:g} of {possible:g} points from the tests run"
+    if violations:
+        line += "; not allowed: " + "; ".join(v.describe() for v in violations) + " (the grader gives 0)"
+    terminalreporter.write_sep("-", line)
+
+
+def pytest_unconfigure(config):
+    run = config.stash.get(SESSION_KEY, None)
+    if run is not None:
+        run.close()
