@@ -41,10 +41,8 @@ class Submission:
 
     def __init__(self, namespace: dict):
         self._namespace = namespace
-        self.used: set[str] = set()  # the names asked for: which of the learner's functions a test uses
 
     def __getattr__(self, name: str) -> Any:
-        self.used.add(name)
         try:
             return self._namespace[name]
         except KeyError:

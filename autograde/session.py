@@ -42,6 +42,7 @@ class TestInfo:
     points: float
     visible: bool
     about: str
+    uses: tuple[str, ...] = ()
 
 
 class Blocked(_Proxy):

@@ -222,7 +222,7 @@ def _tensor_value(item: dict, folder: Path, budget: _Budget) -> TensorValue:
     shape, dtype, data = _npy(folder / name, budget)
     claimed = _text(item.get("dtype"), 40)
     # The header says what the array holds; a label is believed only where numpy has no such dtype.
-    actual = claimed if _CARRIED.get(claimed) == dtype else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
+    actual = claimed if claimed in _CARRIED and _CARRIED[claimed] == dtype else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
     return TensorValue(shape, actual, _text(item.get("device"), 40), _load(data))
 
 

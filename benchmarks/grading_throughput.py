@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from autograde import exercises
+from autograde import registry as exercises
 from tests.fixtures import implementations
 from tests.fixtures.notebooks import learner_notebook, write
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from autograde.exercises import EXERCISES
+from autograde.registry import EXERCISES
+from autograde.session import catalogue, max_score
 from tests.fixtures import attacks
 from tests.fixtures.attacks import EXERCISE, STUDENTS, SUBMISSIONS, UNCONTAINED, WORKED
 from tests.fixtures.notebooks import ROOT, SEED
@@ -220,13 +221,13 @@ def test_each_submission_gets_what_its_honest_part_earned(attacked, submission):
     assert status in expect.outcomes, f"{about}: status {status!r}, expected one of {sorted(expect.outcomes)}: {row}"
     low, high, *keywords = expect.outcomes[status]
     assert low <= score <= high, f"{about}: score {score}, expected {low} to {high} when {status}: {row}"
-    assert float(row["max_score"]) == EXERCISE.max_score, row
+    assert float(row["max_score"]) == max_score(EXERCISE), row
     text = (row["reason"] + "\n" + feedback).lower().replace(submission.student.lower(), "")
     assert not keywords or any(k in text for k in keywords), \
         f"{about}: the reason or feedback should say one of {keywords}: {row['reason']!r}"
     if expect.hidden_lost:
         results = case_results(feedback)
-        hidden = [c.name for c in EXERCISE.cases if not c.visible]
+        hidden = [c.name for c in catalogue(EXERCISE) if not c.visible]
         assert set(hidden) <= set(results), f"{about}: the feedback lacks hidden tests: {sorted(results)}"
         assert not [name for name in hidden if results[name][1]], f"{about}: hidden tests passed: {results}"
 
@@ -274,7 +275,7 @@ def test_unseeded_randomness_gets_the_same_grade_in_two_runs(attacked):
     rows = [(r["status"], r["score"]) for r in (first.row("rolls-dice"), second.row("rolls-dice"))]
     assert rows[0] == rows[1], f"two runs with seed {SEED}: {rows}"
     results = [case_results(g.feedback("rolls-dice")) for g in (first, second)]
-    assert results[0] == results[1] and len(results[0]) == len(EXERCISE.cases), results
+    assert results[0] == results[1] and len(results[0]) == len(catalogue(EXERCISE)), results
 
 
 def test_edits_to_nbgrader_cells_are_reported_beside_the_grade(attacked):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from autograde import gradescope
-from autograde.exercises import EXERCISES
+from autograde.session import catalogue, max_score
+from autograde.registry import EXERCISES
 from tests.fixtures.notebooks import ROOT, SEED, learner_notebook, write
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 ASSIGNMENT = "attention"
 EXERCISE_IDS = ("sdpa", "mha")
 CASES = {f"{e.id}: {c.name}" + ("" if c.visible else " (hidden)"): c
-         for e in EXERCISES.values() if e.assignment == ASSIGNMENT for c in e.cases}
+         for e in EXERCISES.values() if e.assignment == ASSIGNMENT for c in catalogue(e)}
 TOP_LEVEL_KEYS = {"score", "execution_time", "output", "tests"}
 TEST_KEYS = {"name", "number", "score", "max_score", "status", "output", "visibility"}
 

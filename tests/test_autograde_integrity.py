@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbgrader import utils
 
-from autograde import exercises, integrity, notebook
+from autograde import registry as exercises, integrity, notebook
 from autograde.integrity import findings, released_notebook
 from tests.fixtures.notebooks import learner_notebook, write
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from nbgrader.api import Gradebook
 
-from autograde import exercises
+from autograde import registry as exercises
 from tests.conftest import NBGRADER_STUDENTS
 from tests.fixtures.notebooks import ROOT, SEED
 

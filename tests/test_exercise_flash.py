@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autograde import exercises, extract, forbidden, grade, reference, rules, self_check
+from autograde import registry as exercises, extract, forbidden, grade, reference, rules, self_check
+from autograde.session import catalogue, max_score
 from autograde.observe import Submission
 from tests.fixtures.implementations import Variant, variant_id
 from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, write
@@ -132,8 +133,8 @@ WRONG = [
             scores = tl.where(cols[None, :] <= rows[:, None] + diagonal, scores, float("-inf"))""")},
         frozenset({"triton-ragged"}), hidden_may_fail=frozenset({"triton-random"}), message="`out`: max abs error"),
     Variant("attention-in-pytorch", "flash_triton", {"flash_attention_triton": TORCH_INSTEAD_OF_TRITON},
-        frozenset(c.name for c in exercises.get("flash_triton").cases if c.visible),
-        frozenset(c.name for c in exercises.get("flash_triton").cases if not c.visible),
+        frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if c.visible),
+        frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if not c.visible),
         message="Triton rule broken: flash_attention_triton launched 0 Triton kernels"),
 ]
 
@@ -196,7 +197,7 @@ def run_cells(notebook) -> dict:
 def grade_in_process(exercise_id: str, answers: dict[str, str]):
     exercise = exercises.get(exercise_id)
     namespace = run_cells(learner_notebook(exercise_id, answers))
-    results, violations = self_check.run_in_process(exercise, list(exercise.cases), namespace, SEED)
+    results, violations = self_check.run_in_process(exercise, list(catalogue(exercise)), namespace, SEED)
     return {result.name: result for result in results}, violations
 
 
@@ -208,7 +209,7 @@ def test_a_wrong_answer_loses_exactly_the_tests_it_breaks(variant):
     visible, hidden = lost(results)
     assert visible == variant.visible_failures
     assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
-    first = next(results[c.name] for c in exercises.get(variant.exercise).cases if c.name in visible)
+    first = next(results[c.name] for c in catalogue(exercises.get(variant.exercise)) if c.name in visible)
     assert any(problem.startswith(variant.message) for problem in first.problems), first.problems
 
 
@@ -223,7 +224,7 @@ def test_softmax_is_not_allowed_in_the_source_nor_hidden(tmp_path: Path):
     header = "import math\n\nimport torch\n\n\n"
     in_source = header + "def online_softmax(x, block_size):\n    return torch.softmax(x, dim=-1)\n"
     notebook = write(learner_notebook("flash_forward", {"online_softmax": in_source}), tmp_path / "answer.ipynb")
-    result = grade.grade_notebook(notebook, grade.prepare(exercises.get("flash_forward"), SEED))
+    result = grade.grade_notebook(notebook, exercises.get("flash_forward"), SEED)
     assert (result.status, result.score) == (grade.NOT_ALLOWED, 0)
     assert result.reason.startswith("uses torch.softmax (cell ")
 

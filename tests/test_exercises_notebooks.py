@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograde import exercises, release
+from autograde import registry as exercises, release
+from autograde.session import catalogue, max_score
 from tests.fixtures.notebooks import ROOT, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,8 +42,8 @@ def test_the_first_cell_sets_up_locally_and_on_colab(exercise):
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
 def test_each_test_case_has_one_nbgrader_test_cell_with_its_points(exercise):
     test_cells = [c for c in source_notebook(exercise).cells if nbgrader_meta(c).get("grade")]
-    assert [grade_id(c) for c in test_cells] == [f"test-{case.name}" for case in exercise.cases]
-    for cell, case in zip(test_cells, exercise.cases):
+    assert [grade_id(c) for c in test_cells] == [f"test-{case.name}" for case in catalogue(exercise)]
+    for cell, case in zip(test_cells, catalogue(exercise)):
         call = f'run("{exercise.id}", "{case.name}", globals())'
         assert nbgrader_meta(cell)["points"] == case.points and nbgrader_meta(cell)["locked"]
         hidden = HIDDEN.search(cell.source)
@@ -115,5 +116,5 @@ def test_the_release_hides_solutions_and_hidden_tests():
         code = "\n".join(c.source for c in released.cells if c.cell_type == "code")
         regions = "\n".join(c.source for c in source_notebook(exercise).cells).count("### BEGIN SOLUTION")
         assert code.count("raise NotImplementedError()") == regions
-        hidden = [case.name for case in exercise.cases if not case.visible]
+        hidden = [case.name for case in catalogue(exercise) if not case.visible]
         assert not any(f'"{name}", globals())' in text for name in hidden)

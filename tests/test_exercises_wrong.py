@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autograde import exercises, grade
+from autograde import registry as exercises, grade
 from tests.fixtures.implementations import MHA_RIGHT, MHA_WRONG, SDPA_RIGHT, SDPA_WRONG, variant_id
 from tests.fixtures.notebooks import SEED, assert_loses_exactly, failed, grade_in_process, learner_notebook, write
 
@@ -42,7 +42,7 @@ def test_a_not_allowed_function_is_found(variant):
                          ids=variant_id)
 def test_a_not_allowed_function_in_the_source_scores_0_without_running(variant, tmp_path: Path):
     notebook = write(learner_notebook(variant.exercise, variant.answers), tmp_path / "answer.ipynb")
-    result = grade.grade_notebook(notebook, grade.prepare(exercises.get(variant.exercise), SEED))
+    result = grade.grade_notebook(notebook, exercises.get(variant.exercise), SEED)
     assert (result.status, result.score) == (grade.NOT_ALLOWED, 0)
     assert "which this exercise does not allow" in result.reason
     assert all(r.problems[0].startswith("not run: uses ") for r in result.results)

@@ -13,6 +13,7 @@ Markers:
     @pytest.mark.points(1.5)   the test's points (shared equally by its parametrised cases)
     @pytest.mark.hidden        inputs from the instructor's seed; feedback names the test only
     @pytest.mark.time_limit(60)  seconds for one call of the learner's code (default 20)
+    @pytest.mark.uses("causal_mask")  the exercise's functions it tests: `check("sdpa", "causal_mask")`
 
 Fixtures:
     submission   the learner's functions and the module's adapters, by name
@@ -49,6 +50,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "points(value): the points of the test, shared by its parametrised cases")
     config.addinivalue_line("markers", "hidden: inputs drawn from the instructor's seed; reported by name only")
     config.addinivalue_line("markers", "time_limit(seconds): the limit on one call of the learner's code")
+    config.addinivalue_line("markers", "uses(*names): the exercise's functions the test calls (for check(ex, name))")
 
 
 def _exercise_of(item) -> object:
@@ -82,8 +84,9 @@ def pytest_collection_modifyitems(session, config, items):
         exercise = _exercise_of(item)
         run = _session(config, exercise)
         visible = item.get_closest_marker("hidden") is None
+        uses = item.get_closest_marker("uses")
         info = TestInfo(report_name(item.nodeid), _points(item) / cases[item.function], visible,
-                        (item.function.__doc__ or "").strip().split("\n")[0])
+                        (item.function.__doc__ or "").strip().split("\n")[0], tuple(uses.args) if uses else ())
         item.stash[INFO_KEY] = info
         collecting = run.open_submission is None  # the catalogue: every test, none run
         if collecting or visible or (run.hidden_seed is not None and not run.visible_only):

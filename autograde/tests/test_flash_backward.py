@@ -159,6 +159,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(BACKWARD)
 def test_backward_ragged(submission, reference, draw):
     """dq, dk, dv when L and S are not multiples of the blocks"""
     inputs = ragged(draw)
@@ -167,6 +168,7 @@ def test_backward_ragged(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(BACKWARD)
 def test_backward_causal(submission, reference, draw):
     """dq, dk, dv with the causal mask, L == S"""
     inputs = causal_square(draw)
@@ -175,6 +177,7 @@ def test_backward_causal(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(BACKWARD)
 def test_backward_causal_more_queries(submission, reference, draw):
     """rows with lse -inf contribute no gradient"""
     inputs = causal_more_queries(draw)
@@ -183,6 +186,7 @@ def test_backward_causal_more_queries(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(BACKWARD)
 def test_backward_memory_rule(submission, reference, draw):
     """no tensor larger than the inputs or one block of scores"""
     inputs = memory_inputs(draw)
@@ -191,6 +195,7 @@ def test_backward_memory_rule(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(FUNCTION)
 def test_flash_attention_apply(submission, reference, draw):
     """FlashAttention.apply: out and the gradients of q, k, v"""
     inputs = apply_inputs(draw)
@@ -199,6 +204,7 @@ def test_flash_attention_apply(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FUNCTION)
 def test_saved_tensors_rule(submission, reference, draw):
     """FlashAttention saves exactly q, k, v, out, lse for the backward"""
     inputs = saved_inputs(draw)
@@ -208,6 +214,7 @@ def test_saved_tensors_rule(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(BACKWARD)
 def test_backward_random(submission, reference, draw):
     """random sizes, blocks, dtypes, causal or not"""
     inputs = random_backward(draw)
@@ -217,6 +224,7 @@ def test_backward_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(FUNCTION)
 def test_flash_attention_apply_random(submission, reference, draw):
     """FlashAttention.apply, causal, random sizes"""
     inputs = random_apply(draw)

@@ -173,6 +173,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ONLINE)
 def test_online_softmax(submission, reference, draw):
     """the softmax of each row, computed in one pass over column blocks"""
     inputs = softmax_inputs(draw)
@@ -181,6 +182,7 @@ def test_online_softmax(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(ONLINE)
 def test_online_softmax_large_scores(submission, reference, draw):
     """large float32 scores neither overflow nor give NaN"""
     inputs = softmax_float32_inputs(draw)
@@ -189,6 +191,7 @@ def test_online_softmax_large_scores(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(FORWARD)
 def test_forward_ragged(submission, reference, draw):
     """out and lse when L and S are not multiples of the blocks"""
     inputs = ragged(draw)
@@ -197,6 +200,7 @@ def test_forward_ragged(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_forward_causal(submission, reference, draw):
     """out and lse with the causal mask, L == S"""
     inputs = causal_square(draw)
@@ -205,6 +209,7 @@ def test_forward_causal(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_forward_causal_more_queries(submission, reference, draw):
     """rows that attend nothing give out 0 and lse -inf"""
     inputs = causal_more_queries(draw)
@@ -213,6 +218,7 @@ def test_forward_causal_more_queries(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(FORWARD)
 def test_forward_default_blocks(submission, reference, draw):
     """the default block sizes"""
     inputs = default_blocks(draw)
@@ -221,6 +227,7 @@ def test_forward_default_blocks(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_memory_rule(submission, reference, draw):
     """no tensor larger than the inputs or one block of scores"""
     inputs = memory_inputs(draw)
@@ -229,6 +236,7 @@ def test_memory_rule(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_work_rule(submission, reference, draw):
     """causal: blocks above the diagonal skipped (at most 0.6x the FLOPs)"""
     inputs = work_inputs(draw)
@@ -238,6 +246,7 @@ def test_work_rule(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(0.5)
+@pytest.mark.uses(ONLINE)
 def test_online_softmax_random(submission, reference, draw):
     """random sizes and block sizes"""
     inputs = softmax_random(draw)
@@ -247,6 +256,7 @@ def test_online_softmax_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_forward_random(submission, reference, draw):
     """random sizes, blocks, dtypes, causal or not"""
     inputs = random_sizes(draw)
@@ -256,6 +266,7 @@ def test_forward_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(FORWARD)
 def test_forward_random_more_queries(submission, reference, draw):
     """causal with L > S, random sizes"""
     inputs = random_more_queries(draw)

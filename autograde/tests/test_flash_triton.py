@@ -100,6 +100,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(2.0)
+@pytest.mark.uses(TRITON)
 def test_triton_square(submission, reference, draw):
     """out and lse from a Triton kernel, L == S"""
     inputs = square(draw)
@@ -109,6 +110,7 @@ def test_triton_square(submission, reference, draw):
 
 
 @pytest.mark.points(2.0)
+@pytest.mark.uses(TRITON)
 def test_triton_ragged(submission, reference, draw):
     """out and lse when L and S are not multiples of the blocks"""
     inputs = ragged(draw)
@@ -118,6 +120,7 @@ def test_triton_ragged(submission, reference, draw):
 
 
 @pytest.mark.points(2.0)
+@pytest.mark.uses(TRITON)
 def test_triton_causal(submission, reference, draw):
     """the causal mask, L == S"""
     inputs = causal_square(draw)
@@ -127,6 +130,7 @@ def test_triton_causal(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(TRITON)
 def test_triton_causal_more_queries(submission, reference, draw):
     """rows that attend nothing give out 0 and lse -inf"""
     inputs = causal_more_queries(draw)
@@ -137,6 +141,7 @@ def test_triton_causal_more_queries(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(TRITON)
 def test_triton_random(submission, reference, draw):
     """random sizes up to 256, causal or not"""
     inputs = random_sizes(draw)
@@ -147,6 +152,7 @@ def test_triton_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(TRITON)
 def test_triton_random_more_queries(submission, reference, draw):
     """causal with L > S, random sizes"""
     inputs = random_more_queries(draw)

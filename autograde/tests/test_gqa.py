@@ -229,6 +229,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(REPEAT)
 def test_repeat_kv(submission, reference, draw):
     """output head j is input head j // n_rep"""
     inputs = repeat_inputs(draw)
@@ -237,6 +238,7 @@ def test_repeat_kv(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_module_structure(submission, reference, draw):
     """projections of the contract's shapes, num_heads, num_kv_heads, head_dim"""
     inputs = structure_inputs(draw)
@@ -245,6 +247,7 @@ def test_module_structure(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(MODULE)
 def test_value_errors(submission, reference, draw):
     """ValueError when d_model % num_heads or num_heads % num_kv_heads is not 0"""
     inputs = value_error_inputs(draw)
@@ -253,6 +256,7 @@ def test_value_errors(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(MODULE)
 def test_grouped_attention(submission, reference, draw):
     """outputs of grouped-query self-attention with a causal mask"""
     inputs = grouped_inputs(draw)
@@ -261,6 +265,7 @@ def test_grouped_attention(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(CONVERT)
 def test_mha_to_gqa(submission, reference, draw):
     """K and V heads mean-pooled per group, weights and biases; Q and O copied"""
     inputs = conversion_inputs(draw)
@@ -269,6 +274,7 @@ def test_mha_to_gqa(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(BYTES)
 def test_kv_cache_bytes(submission, reference, draw):
     """the cache of real models, in bytes"""
     inputs = cache_bytes_inputs(draw)
@@ -278,6 +284,7 @@ def test_kv_cache_bytes(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_multi_query(submission, reference, draw):
     """one key/value head for every query head"""
     inputs = multi_query_inputs(draw)
@@ -287,6 +294,7 @@ def test_multi_query(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_multi_head(submission, reference, draw):
     """num_kv_heads == num_heads is multi-head attention"""
     inputs = multi_head_inputs(draw)
@@ -296,6 +304,7 @@ def test_multi_head(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_grouped_random(submission, reference, draw):
     """random groupings, dtypes and masks"""
     inputs = grouped_random_inputs(draw)
@@ -305,6 +314,7 @@ def test_grouped_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(CONVERT)
 def test_mha_to_gqa_random(submission, reference, draw):
     """conversions to MQA, GQA and MHA"""
     inputs = conversion_random_inputs(draw)
@@ -314,6 +324,7 @@ def test_mha_to_gqa_random(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(0.5)
+@pytest.mark.uses(BYTES)
 def test_kv_cache_bytes_random(submission, reference, draw):
     """random configurations and bytes per element"""
     inputs = cache_bytes_random_inputs(draw)

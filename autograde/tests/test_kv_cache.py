@@ -163,6 +163,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(STEP)
 def test_whole_prompt(submission, reference, draw):
     """the first step (no cache) is causal self-attention"""
     inputs = whole_prompt_inputs(draw)
@@ -171,6 +172,7 @@ def test_whole_prompt(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(STEP)
 def test_token_by_token(submission, reference, draw):
     """single-token steps reproduce causal attention over the sequence"""
     inputs = token_by_token_inputs(draw)
@@ -179,6 +181,7 @@ def test_token_by_token(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(STEP)
 def test_chunked_prefill(submission, reference, draw):
     """every chunking gives the same outputs and cache"""
     inputs = chunked_inputs(draw)
@@ -187,6 +190,7 @@ def test_chunked_prefill(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(STEP)
 def test_given_cache(submission, reference, draw):
     """new tokens attend to the given cache, which grows at its end"""
     inputs = given_cache_inputs(draw)
@@ -196,6 +200,7 @@ def test_given_cache(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(STEP)
 def test_multi_query_decoding(submission, reference, draw):
     """decoding with one key/value head"""
     inputs = multi_query_inputs(draw)
@@ -205,6 +210,7 @@ def test_multi_query_decoding(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(STEP)
 def test_multi_head_decoding(submission, reference, draw):
     """decoding with as many key/value heads as query heads"""
     inputs = multi_head_inputs(draw)
@@ -214,6 +220,7 @@ def test_multi_head_decoding(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(STEP)
 def test_ragged_chunks(submission, reference, draw):
     """random chunkings, groupings and dtypes"""
     inputs = ragged_inputs(draw)
@@ -223,6 +230,7 @@ def test_ragged_chunks(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(STEP)
 def test_long_decode(submission, reference, draw):
     """many single-token steps after a prefill"""
     inputs = long_decode_inputs(draw)

@@ -246,6 +246,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(SPLIT)
 def test_split_heads(submission, reference, draw):
     """(B, T, H*d) -> (B, H, T, d), head h holding features h*d to (h+1)*d"""
     inputs = split_inputs(draw)
@@ -254,6 +255,7 @@ def test_split_heads(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(SPLIT, MERGE)
 def test_merge_heads(submission, reference, draw):
     """merge_heads undoes split_heads"""
     inputs = round_trip_inputs(draw)
@@ -262,6 +264,7 @@ def test_merge_heads(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(SPLIT)
 def test_split_heads_value_error(submission, reference, draw):
     """ValueError when the width is not divisible by the heads"""
     inputs = indivisible_inputs(draw)
@@ -270,6 +273,7 @@ def test_split_heads_value_error(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_module_structure(submission, reference, draw):
     """q_proj, k_proj, v_proj, o_proj and the ValueError"""
     inputs = structure_inputs(draw)
@@ -278,6 +282,7 @@ def test_module_structure(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(MODULE)
 def test_self_attention(submission, reference, draw):
     """outputs and per-head weights of self-attention"""
     inputs = self_attention_inputs(draw)
@@ -286,6 +291,7 @@ def test_self_attention(submission, reference, draw):
 
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(MODULE, LOAD)
 def test_load_torch_mha(submission, reference, draw):
     """loads nn.MultiheadAttention's packed weights and biases"""
     inputs = load_cross_inputs(draw)
@@ -295,6 +301,7 @@ def test_load_torch_mha(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(MODULE)
 def test_masked_cross_attention(submission, reference, draw):
     """cross-attention with a broadcast mask"""
     inputs = masked_cross_inputs(draw)
@@ -304,6 +311,7 @@ def test_masked_cross_attention(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(MODULE)
 def test_default_key_value(submission, reference, draw):
     """key defaults to query and value to key"""
     inputs = defaults_inputs(draw)
@@ -313,6 +321,7 @@ def test_default_key_value(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(MODULE, LOAD)
 def test_load_torch_mha_no_bias(submission, reference, draw):
     """loads an nn.MultiheadAttention without biases"""
     inputs = load_no_bias_inputs(draw)
@@ -322,6 +331,7 @@ def test_load_torch_mha_no_bias(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(0.5)
+@pytest.mark.uses(SPLIT, MERGE)
 def test_heads_random(submission, reference, draw):
     """split_heads and merge_heads on random sizes"""
     inputs = random_heads_inputs(draw)

@@ -137,6 +137,7 @@ EXERCISE = Exercise(
 # The tests.
 
 @pytest.mark.points(1.5)
+@pytest.mark.uses(ATTENTION)
 def test_no_mask(submission, reference, draw):
     """outputs and weights without a mask"""
     inputs = no_mask(draw)
@@ -147,6 +148,7 @@ def test_no_mask(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
 def test_float32(submission, reference, draw):
     """float32 in, float32 out"""
     inputs = float32(draw)
@@ -154,6 +156,7 @@ def test_float32(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
 def test_broadcast_mask(submission, reference, draw):
     """an (L, S) mask broadcast to every batch and head"""
     inputs = broadcast_mask(draw)
@@ -161,6 +164,7 @@ def test_broadcast_mask(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
 def test_fully_masked_rows(submission, reference, draw):
     """rows with every key masked give weights 0 and output 0"""
     inputs = fully_masked_rows(draw)
@@ -168,6 +172,7 @@ def test_fully_masked_rows(submission, reference, draw):
 
 
 @pytest.mark.points(0.5)
+@pytest.mark.uses(CAUSAL)
 def test_causal_mask_square(submission, reference, draw):
     """causal_mask(L) is the lower triangle"""
     inputs = square_causal(draw)
@@ -175,6 +180,7 @@ def test_causal_mask_square(submission, reference, draw):
 
 
 @pytest.mark.points(1.0)
+@pytest.mark.uses(CAUSAL)
 def test_causal_mask_rectangular(submission, reference, draw):
     """causal_mask(L, S) is bottom-right aligned"""
     inputs = rectangular_causal(draw)
@@ -183,6 +189,7 @@ def test_causal_mask_rectangular(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.5)
+@pytest.mark.uses(ATTENTION)
 def test_random_shapes(submission, reference, draw):
     """random batch shapes, sizes and dtypes"""
     inputs = random_shapes(draw)
@@ -191,6 +198,7 @@ def test_random_shapes(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
 def test_random_masks(submission, reference, draw):
     """random broadcast masks with fully masked rows"""
     inputs = random_masks(draw)
@@ -199,6 +207,7 @@ def test_random_masks(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
 def test_causal_attention(submission, reference, draw):
     """a causal mask with more queries than keys"""
     inputs = causal_attention(draw)
@@ -207,6 +216,7 @@ def test_causal_attention(submission, reference, draw):
 
 @pytest.mark.hidden
 @pytest.mark.points(0.5)
+@pytest.mark.uses(CAUSAL)
 def test_causal_mask_random(submission, reference, draw):
     """causal_mask for random L and S"""
     inputs = random_causal(draw)
