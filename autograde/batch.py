@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from autograde import sandbox
+from autograde import isolation, sandbox
 from autograde.registry import EXERCISES
 from autograde.cases import Exercise
 from autograde.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
@@ -116,7 +116,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 record(student, grade_one(submitted, student, exercise, seed, limits, twins.get(student)))
                 bar.update()
         else:
-            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
+            # Each grading process dies with this one (SIGKILL included), and its fork server with it.
+            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=isolation.die_with_parent)
             try:
                 futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
                                        twins.get(student)): student for student, exercise in tasks}

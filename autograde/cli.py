@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from autograde import batch, grade, gradescope, journal, registry, release, report, sandbox
+from autograde import batch, course, grade, gradescope, journal, registry, release, report, sandbox
 from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "release":
         for path in release.release():
-            print(f"wrote {path.relative_to(release.ROOT)}")
+            print(f"wrote {path.relative_to(course.root())}")
         return 0
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if args.path.is_file():

@@ -7,6 +7,7 @@ starts, and the tests reach it through calls. `batch.py` grades a class.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import signal
 from dataclasses import dataclass, field
@@ -125,14 +126,21 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
     return Grade(exercise, graded.status, graded.reason, graded.results, graded.notes + changed, graded.isolation)
 
 
+def _ended(result: CaseResult | None, not_run_here: str) -> CaseResult | None:
+    """A test the ending process cut short says how it ended, as the tests that never ran do."""
+    if result is None or not result.problems or not result.problems[0].startswith("not run: the grading process"):
+        return result
+    return dataclasses.replace(result, problems=(not_run_here,))
+
+
 def _grade(session: Session, limits: sandbox.Limits, code: int) -> Grade:
     exercise, submission = session.exercise, session.submission
     if not isinstance(submission, SandboxedSubmission) or submission.outcome is None:
         return not_run(exercise, CRASHED, f"the tests could not run (pytest exit code {int(code)})")
     ended = how_it_ended(submission.outcome, limits)
-    results = tuple(session.results.get(test.name) or CaseResult(
-        test.name, test.points, test.visible, test.about, "",
-        (f"not run: the grading process {ended} {submission.gone}",)) for test in catalogue(exercise))
+    not_run_here = f"not run: the grading process {ended} {submission.gone}"
+    results = tuple(_ended(session.results.get(test.name), not_run_here) or CaseResult(
+        test.name, test.points, test.visible, test.about, "", (not_run_here,)) for test in catalogue(exercise))
     notes = [f"the notebook defines no {', '.join(f'`{name}`' for name in submission.missing)}"] \
         if submission.missing else []
     notes += [failure.describe() for failure in submission.failed_cells]

@@ -20,10 +20,9 @@ import nbformat
 from nbformat.notebooknode import NotebookNode
 from nbgrader import utils
 
+from autograde import course
 from autograde.cases import Exercise
 
-# As reference.SOLUTIONS: importing autograde.release for its EXERCISES would load nbgrader's apps.
-EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 MAX_FINDINGS = 20  # then one line says how many more
 MAX_CHARS = 300  # of one finding
 FLAGS = ("grade", "solution", "locked", "task")
@@ -35,7 +34,7 @@ ABSENT = object()  # a metadata key the cell does not have
 @functools.cache
 def released_notebook(exercise: Exercise) -> NotebookNode:
     """The learner notebook of `exercise` as released (shared between calls: do not modify it)."""
-    return nbformat.read(EXERCISES / exercise.notebook, as_version=4)
+    return nbformat.read(course.exercises() / exercise.notebook, as_version=4)
 
 
 def findings(submitted: NotebookNode, released: NotebookNode) -> list[str]:

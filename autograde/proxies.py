@@ -158,11 +158,13 @@ class LocalSubmission(_Proxy):
 class SandboxedSubmission(_Proxy):
     """A notebook's code in a sandboxed worker; `close()` ends it and says how it ended."""
 
-    def __init__(self, exercise: Exercise, cells: list[tuple[int, str]], limits: sandbox.Limits):
+    def __init__(self, exercise: Exercise, cells: list[tuple[int, str]], limits: sandbox.Limits,
+                 folder: Path | None = None):
+        """`folder`: where the job's folders go, kept afterwards; by default a temporary one, removed."""
         super().__init__(exercise)
         self.limits = limits
-        self._scratch = tempfile.TemporaryDirectory(prefix="autograde-")
-        folder = Path(self._scratch.name)
+        self._scratch = tempfile.TemporaryDirectory(prefix="autograde-") if folder is None else None
+        folder = Path(self._scratch.name) if folder is None else folder
         self._work = folder / "work"
         (self._work / "in").mkdir(parents=True)
         # Held open: the worker owns `work` and could put a link where `in` was.
@@ -192,7 +194,7 @@ class SandboxedSubmission(_Proxy):
                 self._channel, _ = self._listener.accept()
             except socket.timeout:
                 if self._running.finished or time.monotonic() > self._deadline:
-                    self.gone = "before it had run the notebook's cells"
+                    self.gone = f"during {self._cell_running()}"
                     return
         self._reader = wire.MessageReader(self._channel)
         ready = self._receive(max(0.1, self._deadline - time.monotonic()))
@@ -203,6 +205,14 @@ class SandboxedSubmission(_Proxy):
             self.missing = wire.strings(wire.entries(ready, "missing"), len(wire.entries(ready, "missing")))
         except wire.WireError as exc:
             self._give_up(f"with a malformed message ({exc})")
+
+    def _cell_running(self) -> str:
+        """Which cell the worker said it was running when it stopped (`status.json`, untrusted)."""
+        try:
+            running = wire.read_json(self._work / "status.json").get("running")
+        except (wire.WireError, AttributeError):
+            return "the notebook's cells"
+        return str(running)[:40] if isinstance(running, str) else "the notebook's cells"
 
     def _give_up(self, why: str) -> None:
         self.gone = why
@@ -227,7 +237,8 @@ class SandboxedSubmission(_Proxy):
         if self.gone:
             raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}"))
         self.doing = f"{name}(...)"
-        seconds = min(self.seconds, max(0.1, self._deadline - time.monotonic()))
+        seconds = min(self.seconds, self.limits.case_seconds or self.seconds,
+                      max(0.1, self._deadline - time.monotonic()))
         request = {"call": name, "seconds": seconds,
                    "args": wire.encode_arguments(list(args), self._inputs, self._names),
                    "kwargs": wire.encode_arguments(kwargs, self._inputs, self._names)}
@@ -269,7 +280,8 @@ class SandboxedSubmission(_Proxy):
                 if resource is not None:
                     resource.close()
             os.close(self._inputs)
-            self._scratch.cleanup()
+            if self._scratch is not None:
+                self._scratch.cleanup()
         return self.outcome
 
 

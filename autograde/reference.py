@@ -11,9 +11,9 @@ import json
 import linecache
 from pathlib import Path
 
+from autograde import course
 from autograde.cases import Exercise
 
-SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 
 
 def solution_cells(notebook: dict) -> list[str]:
@@ -26,7 +26,7 @@ def solution_cells(notebook: dict) -> list[str]:
 
 @functools.cache
 def namespace(exercise: Exercise) -> dict:
-    path = SOLUTIONS / exercise.notebook
+    path = course.solutions() / exercise.notebook
     notebook = json.loads(path.read_text(encoding="utf-8"))
     names: dict = {"__name__": f"reference_{exercise.id}"}
     for index, source in enumerate(solution_cells(notebook)):

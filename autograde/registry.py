@@ -45,6 +45,11 @@ def get(exercise_id: str) -> Exercise:
         raise KeyError(f"no exercise {exercise_id!r}; the exercises are {', '.join(EXERCISES)}") from None
 
 
+def module(exercise: Exercise) -> ModuleType:
+    """The exercise's test module, as loaded here (its helpers, e.g. for the course's own tests)."""
+    return _MODULES[exercise.id]
+
+
 def adapters(exercise: Exercise) -> dict[str, Callable]:
     """The calls its tests may make on a submission, by name (`autograde.testing.adapter`)."""
     return adapters_of(_MODULES[exercise.id])

@@ -14,8 +14,8 @@ from pathlib import Path
 from nbgrader.apps import NbGraderAPI
 from traitlets.config import Config
 
-ROOT = Path(__file__).resolve().parent.parent
-SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
+from autograde import course
+
 
 
 def assignments(solutions: Path) -> list[str]:
@@ -32,7 +32,8 @@ def generate(course: Path, assignment: str) -> None:
         raise RuntimeError(f"nbgrader could not generate {assignment}: {result['error']}\n{result['log']}")
 
 
-def release(solutions: Path = SOLUTIONS, exercises: Path = EXERCISES) -> list[Path]:
+def release(solutions: Path | None = None, exercises: Path | None = None) -> list[Path]:
+    solutions, exercises = solutions or course.solutions(), exercises or course.exercises()
     """Regenerate `exercises` from every assignment of `solutions`; returns the notebooks written."""
     with tempfile.TemporaryDirectory(prefix="autograde-release-") as scratch:
         course = Path(scratch)

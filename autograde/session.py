@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from autograde import registry
+from autograde import course, registry
 from autograde.cases import Exercise
 from autograde.compare import CaseResult
 from autograde.forbidden import Violation
@@ -150,6 +150,4 @@ def hidden_seed_from_environment() -> int | None:
 
 
 def default_notebook(exercise: Exercise) -> Path:
-    from autograde.reference import SOLUTIONS
-
-    return SOLUTIONS / exercise.notebook
+    return course.solutions() / exercise.notebook

@@ -26,7 +26,7 @@ from autograde import registry
 from autograde.calls import LearnerCalls
 from autograde.forbidden import Tripwire
 from autograde.observe import Failure, failure_from, observe
-from autograde.wire import MessageReader, decode_arguments, encode_result, read_json, send_message
+from autograde.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
 
 
 class TimeLimit(BaseException):
@@ -78,6 +78,7 @@ def main(folder: Path) -> None:
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     failed_cells = []
     for number, source in job["cells"]:
+        write_json(folder / "status.json", {"running": f"cell {number}"})  # read if the process ends here
         try:
             time_limited(job["cell_seconds"], run_cell, number, source, namespace)
         except BaseException as exc:  # as in Jupyter, a failing cell does not stop the next ones

@@ -9,7 +9,8 @@ import nbformat
 import pytest
 from nbgrader import utils
 
-from autograde import registry as exercises, integrity, notebook
+from autograde import course, integrity, notebook
+from autograde import registry as exercises
 from autograde.integrity import findings, released_notebook
 from tests.fixtures.notebooks import learner_notebook, write
 
@@ -52,7 +53,7 @@ def test_a_submission_read_from_disk_has_nothing_to_report(tmp_path: Path):
 
 def test_released_notebook_is_read_once_from_exercises():
     assert released_notebook(SDPA) is released_notebook(SDPA)
-    assert released_notebook(SDPA) == nbformat.read(integrity.EXERCISES / "attention" / "sdpa.ipynb", as_version=4)
+    assert released_notebook(SDPA) == nbformat.read(course.exercises() / "attention" / "sdpa.ipynb", as_version=4)
 
 
 def test_a_new_answer_and_new_cells_are_allowed():

@@ -29,8 +29,8 @@ def test_check_prints_a_summary_with_points_and_what_is_wrong(capsys):
     namespace = namespace_of(answer("sdpa", "scaled_dot_product_attention"), wrong.answers["causal_mask"])
     check("sdpa", namespace=namespace)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == 'check("sdpa"): 5 of 6 points from the visible tests (hidden tests add 4 more at grading)'
-    assert lines[1].split() == ["PASS", "no-mask", "1.5/1.5", "outputs", "and", "weights", "without", "a", "mask"]
+    assert lines[-1] == 'check("sdpa"): 5 of 6 points from the visible tests (hidden tests add 4 more at grading)'
+    assert lines[0].split() == ["PASS", "no-mask", "1.5/1.5", "outputs", "and", "weights", "without", "a", "mask"]
     failing = lines.index(next(line for line in lines if line.startswith("FAIL")))
     assert lines[failing].split()[:3] == ["FAIL", "causal-mask-rectangular", "0/1"]
     assert lines[failing + 1].strip() == "inputs: calls=[(3, 6), (6, 3), (1, 4), (4, 1)]; L < S and L > S"
@@ -41,9 +41,9 @@ def test_check_reads_the_callers_globals_and_can_run_one_functions_tests(capsys)
     namespace = reference_sdpa()
     exec('from autograde import check\ncheck("sdpa", "causal_mask")', namespace)
     out = capsys.readouterr().out
-    assert out.startswith('check("sdpa"): 1.5 of 1.5 points from the visible tests\n')
-    assert "no-mask" not in out
-    with pytest.raises(ValueError, match="no visible test of 'sdpa' uses 'split_heads'"):
+    assert out.endswith('check("sdpa"): 1.5 of 1.5 points from the visible tests\n')
+    assert "no-mask" not in out and "causal-mask-square" in out
+    with pytest.raises(ValueError, match="'sdpa' has no function 'split_heads'"):
         check("sdpa", "split_heads", namespace=namespace)
 
 
@@ -51,8 +51,11 @@ def test_check_warns_about_a_not_allowed_call_in_the_kernels_history(capsys):
     namespace = reference_sdpa()
     namespace["In"] = ["", "import torch.nn.functional as F\nF.scaled_dot_product_attention(q, k, v)"]
     check("sdpa", namespace=namespace)
-    assert ("NOT ALLOWED: uses torch.nn.functional.scaled_dot_product_attention (In [1], line 2: "
-            "`F.scaled_dot_product_attention(q, k, v)`); the grader gives this exercise 0 points") in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["NOT ALLOWED: uses torch.nn.functional.scaled_dot_product_attention (In [1], line 2: "
+                          "`F.scaled_dot_product_attention(q, k, v)`)",
+                          'check("sdpa"): the grader gives this exercise 0 points, whatever the tests '
+                          "(they would give 6 of 6 visible points)"]
 
 
 def test_an_nbgrader_test_cell_passes_or_says_why_not(monkeypatch, capsys):

@@ -21,7 +21,6 @@ from autograde import batch, grade, reference
 from autograde.session import catalogue, max_score
 from autograde import registry as exercises
 from autograde.cases import Inputs
-from autograde.tests.test_kv_cache import given_module
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import ROOT, SEED, answer, assert_loses_exactly, failed, grade_in_process, learner_notebook, sent_inputs
 
@@ -209,7 +208,7 @@ FEEDBACK = [
     ("cache-bytes-without-factor-2", "kv-cache-bytes",
      "`kv_cache_bytes(32, 32, 128, 4096, 1)`: expected 2147483648, got 1073741824"),
     ("head-dim-as-float", "module-structure",
-     "`GroupedQueryAttention(16, 4, 2, bias=True).head_dim`: expected 4, got 4.0"),
+     "`GroupedQueryAttention(16, 4, 2, bias=True).head_dim`: expected an int, 4; got the float 4.0"),
 ]
 
 
@@ -225,6 +224,7 @@ def test_the_step_is_given_only_the_attributes_of_the_contract():
     step = "def gqa_decode_step(module, x_new, cache=None):\n    return module(x_new), cache\n"
     results, _ = grade_in_process("kv_cache", learner_notebook("kv_cache", {STEP: step}))
     assert failed(results) == set(results)
+    given_module = exercises.module(exercises.get("kv_cache")).given_module
     module = given_module(sent_inputs("kv_cache", None)["given-cache"][0])
     assert sorted(vars(module)) == ["head_dim", "k_proj", "num_heads", "num_kv_heads", "o_proj", "q_proj", "v_proj"]
     assert (module.k_proj.in_features, module.k_proj.out_features, module.k_proj.bias) == (12, 6, None)

@@ -1,0 +1,43 @@
+"""Where the course's notebooks are: `solutions/` (the reference) and `exercises/` (the release).
+
+In the course's own folder (a clone, or an editable install) they sit beside the `autograde`
+package. With the package installed elsewhere, they are found in the current folder or one of
+its parents, or where $AUTOGRADE_COURSE says.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLE = "AUTOGRADE_COURSE"
+
+
+class CourseNotFound(FileNotFoundError):
+    pass
+
+
+def _is_course(folder: Path) -> bool:
+    return (folder / "solutions").is_dir() and (folder / "exercises").is_dir()
+
+
+def root() -> Path:
+    given = os.environ.get(VARIABLE)
+    if given:
+        if not _is_course(Path(given)):
+            raise CourseNotFound(f"${VARIABLE} is {given}, which holds no solutions/ and exercises/ folders")
+        return Path(given).resolve()
+    here = Path.cwd()
+    for folder in (Path(__file__).resolve().parent.parent, here, *here.parents):
+        if _is_course(folder):
+            return folder
+    raise CourseNotFound("the course's solutions/ and exercises/ folders were not found: run this from the "
+                         f"course's folder (or one inside it), or set {VARIABLE} to it")
+
+
+def solutions() -> Path:
+    return root() / "solutions"
+
+
+def exercises() -> Path:
+    return root() / "exercises"
