@@ -5,6 +5,6 @@ In a notebook: `from autograde import check; check("sdpa")`. For instructors:
 (see autograde/README.md).
 """
 
-from autograde.self_check import check
+from autograde.frontends.check import check
 
 __all__ = ["check"]

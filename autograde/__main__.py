@@ -1,4 +1,4 @@
-from autograde.cli import main
+from autograde.frontends.cli import main
 
 if __name__ == "__main__":  # not when a grading process of `--jobs` imports it
     raise SystemExit(main())

@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autograde.observe import ContractError
+from autograde.sandbox.observe import ContractError
 
 # The matrix products of FlopCounterMode's table; its attention and convolution entries have no place here.
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}

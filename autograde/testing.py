@@ -17,8 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from autograde.cases import TOLERANCE, Draw, Inputs
-from autograde.compare import compare_floats, describe, compare_tensor
-from autograde.observe import ContractError, OtherValue, TensorValue, kind_of, pair, raised
+from autograde.grading.compare import compare_floats, compare_tensor, describe
+from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, pair, raised
 
 __all__ = ["adapter", "adapters_of", "assert_rule", "assert_same", "returned_pair", "Draw", "Inputs", "ContractError",
            "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats", "TOLERANCE"]

@@ -186,10 +186,10 @@ def benchmark():
                 q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda",
                                        dtype=torch.float16) for _ in range(3))
 
-                def ours():
+                def ours(q=q, k=k, v=v, causal=causal):
                     return flash_attention_triton(q, k, v, causal)[0]
 
-                def theirs():
+                def theirs(q=q, k=k, v=v, causal=causal):
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 

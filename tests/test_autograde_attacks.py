@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from autograde.grading.session import catalogue, max_score
 from autograde.registry import EXERCISES
-from autograde.session import catalogue, max_score
 from tests.fixtures import attacks
 from tests.fixtures.attacks import EXERCISE, STUDENTS, SUBMISSIONS, UNCONTAINED, WORKED
 from tests.fixtures.notebooks import ROOT, SEED

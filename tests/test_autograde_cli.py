@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autograde import cli
+from autograde.frontends import cli
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import SEED
 
@@ -48,7 +48,8 @@ def test_feedback_details_visible_tests_and_names_hidden_ones_only(class_grades)
     assert "causal_mask(L, S) is bottom-right aligned" in feedback
     hidden_details = [line for line in feedback.splitlines() if "causal-mask-random" in line]
     assert hidden_details == ["| causal-mask-random (hidden) | 0 / 0.5 | failed |"]
-    assert sorted(p.name for p in (class_grades.out / "feedback").iterdir()) == [f"{s}.md" for s in sorted(CLASS_EXPECTED)]
+    feedback = sorted(p.name for p in (class_grades.out / "feedback").iterdir())
+    assert feedback == [f"{s}.md" for s in sorted(CLASS_EXPECTED)]
 
 
 def test_one_notebook_gets_a_report_on_the_terminal(class_grades, capsys):

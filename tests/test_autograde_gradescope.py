@@ -1,4 +1,4 @@
-"""The Gradescope autograder: the zip that `python -m autograde.gradescope build` writes, and its
+"""The Gradescope autograder: the zip that `python -m autograde.frontends.gradescope build` writes, and its
 `run_autograder` on simulated submissions in a simulated /autograder, checked against
 Gradescope's results.json specification."""
 
@@ -11,14 +11,14 @@ import re
 import stat
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from autograde import gradescope
-from autograde.session import catalogue, max_score
+from autograde.frontends import gradescope
+from autograde.grading.session import catalogue
 from autograde.registry import EXERCISES
 from tests.fixtures.notebooks import ROOT, SEED, learner_notebook, write
 
@@ -155,7 +155,8 @@ def test_zip_holds_the_scripts_the_course_and_the_seed(autograder_zip, tmp_path)
             [f"{folder}/{ASSIGNMENT}/{e}.ipynb" for e in sorted(EXERCISE_IDS)]
     assert {"requirements.txt", "autograde/grade.py", "autograde/tests/test_sdpa.py", "autograde/tests/conftest.py",
             "autograde/tests/pytest.ini"} <= set(modes)
-    assert not [name for name in modes if "__pycache__" in name or name.startswith("autograde/gradescope_files")]
+    assert not [name for name in modes
+                if "__pycache__" in name or name.startswith("autograde/frontends/gradescope_files")]
 
 
 def installed_by_setup(autograder_zip: Path) -> list[str]:
@@ -188,7 +189,7 @@ def test_setup_installs_every_package_the_grader_imports(autograder_zip):
 def test_build_command_takes_the_seed_from_the_environment(tmp_path):
     out = tmp_path / "autograder.zip"
     process = subprocess.run(
-        [sys.executable, "-m", "autograde.gradescope", "build", "--out", str(out), "--assignment", "gqa"],
+        [sys.executable, "-m", "autograde.frontends.gradescope", "build", "--out", str(out), "--assignment", "gqa"],
         cwd=ROOT, env={**os.environ, "AUTOGRADE_SEED": "4242"}, capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr
     assert "seed 4242" in process.stdout

@@ -9,9 +9,10 @@ import nbformat
 import pytest
 from nbgrader import utils
 
-from autograde import course, integrity, notebook
+from autograde import course
 from autograde import registry as exercises
-from autograde.integrity import findings, released_notebook
+from autograde.submission import integrity, notebook
+from autograde.submission.integrity import findings, released_notebook
 from tests.fixtures.notebooks import learner_notebook, write
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,8 +92,8 @@ def test_lines_added_removed_or_ended_otherwise(edit, where: str):
 
 def test_cells_without_ids_are_matched_by_grade_id_alone():
     submitted, released = submission(), copy.deepcopy(release())
-    for notebook in (submitted, released):
-        for each in notebook.cells:
+    for each_notebook in (submitted, released):
+        for each in each_notebook.cells:
             del each["id"]
     test = cell(submitted, TEST_CELL)
     del test.metadata.nbgrader["grade_id"]

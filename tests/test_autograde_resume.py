@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autograde import journal
+from autograde.grading import journal
 from tests.fixtures.notebooks import ROOT, SEED, answer, learner_notebook, write
 
 pytestmark = pytest.mark.timeout(900)
@@ -101,7 +101,8 @@ def test_resuming_grades_only_the_rest_and_gives_the_same_table(runs, how):
 def test_the_coin_toss_lands_the_same_way_on_every_run(runs):
     _, base, _ = runs
     lines = (base / "whole" / "grades.csv").read_text().splitlines()
-    tossed = [line.split(",") for line in lines if line.startswith(("student-00,sdpa", "student-03,sdpa", "student-06,sdpa"))]
+    tossed = [line.split(",") for line in lines
+              if line.startswith(("student-00,sdpa", "student-03,sdpa", "student-06,sdpa"))]
     assert len(tossed) == 3
     assert any(score != "10" for _, _, score, *_ in tossed)  # the toss cost something: a real test of repeatability
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -13,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from autograde import batch, grade, registry, sandbox, wire
-from autograde.proxies import SandboxedSubmission
+from autograde import registry
+from autograde.grading import batch, grade
+from autograde.grading.proxies import SandboxedSubmission
+from autograde.sandbox import client as sandbox
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
@@ -189,8 +190,9 @@ json.dump({"uid": os.getuid(), "processes": resource.getrlimit(resource.RLIMIT_N
 WITHOUT_NAMESPACES = """
 import sys
 from pathlib import Path
-from autograde import registry, sandbox
-from autograde.proxies import SandboxedSubmission
+from autograde import registry
+from autograde.sandbox import client as sandbox
+from autograde.grading.proxies import SandboxedSubmission
 limits = sandbox.Limits(wall_seconds=30, extra_processes=16)
 outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=Path(sys.argv[1])).close()
 print(outcome.returncode, outcome.isolation, outcome.note, sep="|")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autograde import check
-from autograde.nbgrader_tests import run
+from autograde.frontends.nbgrader import run
 from tests.fixtures.implementations import SDPA_WRONG
 from tests.fixtures.notebooks import SEED, answer
 

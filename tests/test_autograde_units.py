@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autograde import registry as exercises, extract, forbidden, notebook, wire
-from autograde.session import catalogue, max_score
+from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
+from autograde.grading.compare import compare_tensor
+from autograde.grading.session import catalogue, max_score
+from autograde.sandbox import wire
+from autograde.sandbox.observe import OtherValue, observe_tensor
+from autograde.submission import extract, forbidden, notebook
 from tests.fixtures.notebooks import sent_inputs
-from autograde.compare import compare_tensor
-from autograde.observe import OtherValue, TensorValue, observe_tensor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,8 +126,8 @@ def test_the_softmax_family_is_found_for_the_exercises_that_forbid_it():
     source = "import torch\nimport torch.nn.functional as F\na = x.softmax(-1)\nb = torch.logsumexp(x, -1)\n" \
              "c = F.log_softmax(x, -1)\ndef online_softmax(x):\n    return x\nd = online_softmax(x)"
     # torch.logsumexp(x) reads as a method call too: both names are not allowed.
-    assert set(scan(source, NOT_ALLOWED_SOFTMAX)) == {"torch.Tensor.softmax", "torch.logsumexp", "torch.Tensor.logsumexp",
-                                                     "torch.nn.functional.log_softmax"}
+    assert set(scan(source, NOT_ALLOWED_SOFTMAX)) == {
+        "torch.Tensor.softmax", "torch.logsumexp", "torch.Tensor.logsumexp", "torch.nn.functional.log_softmax"}
 
 
 # forbidden: the tripwire.

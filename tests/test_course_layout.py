@@ -1,9 +1,9 @@
 """The course's set-up promises: two commands, a CPU torch, chapters as MyST notebooks."""
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version

@@ -21,9 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autograde import registry as exercises, extract, forbidden, grade, reference, rules, self_check
-from autograde.session import catalogue, max_score
-from autograde.observe import Submission
+from autograde import registry as exercises
+from autograde import rules
+from autograde.frontends import check as self_check
+from autograde.grading import grade, reference
+from autograde.grading.session import catalogue
+from autograde.sandbox.observe import Submission
+from autograde.submission import extract
 from tests.fixtures.implementations import Variant, variant_id
 from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, write
 

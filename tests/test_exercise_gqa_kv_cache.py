@@ -17,12 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autograde import batch, grade, reference
-from autograde.session import catalogue, max_score
 from autograde import registry as exercises
 from autograde.cases import Inputs
+from autograde.grading import batch, reference
 from tests.fixtures.implementations import Variant, fs, variant_id
-from tests.fixtures.notebooks import ROOT, SEED, answer, assert_loses_exactly, failed, grade_in_process, learner_notebook, sent_inputs
+from tests.fixtures.notebooks import (
+    ROOT,
+    SEED,
+    answer,
+    assert_loses_exactly,
+    failed,
+    grade_in_process,
+    learner_notebook,
+    sent_inputs,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

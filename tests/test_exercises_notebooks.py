@@ -9,8 +9,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograde import registry as exercises, release
-from autograde.session import catalogue, max_score
+from autograde import registry as exercises
+from autograde.frontends import release
+from autograde.grading.session import catalogue
 from tests.fixtures.notebooks import ROOT, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)

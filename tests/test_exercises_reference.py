@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autograde import registry as exercises, reference
+from autograde import registry as exercises
+from autograde.grading import reference
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autograde import registry as exercises, grade
+from autograde import registry as exercises
+from autograde.grading import grade
 from tests.fixtures.implementations import MHA_RIGHT, MHA_WRONG, SDPA_RIGHT, SDPA_WRONG, variant_id
 from tests.fixtures.notebooks import SEED, assert_loses_exactly, failed, grade_in_process, learner_notebook, write
 
@@ -38,7 +39,8 @@ def test_a_not_allowed_function_is_found(variant):
     assert violations
 
 
-@pytest.mark.parametrize("variant", [v for v in SDPA_WRONG + MHA_WRONG if v.not_allowed and v.name != "hides-torch-sdpa-behind-getattr"],
+@pytest.mark.parametrize("variant", [v for v in SDPA_WRONG + MHA_WRONG
+                                     if v.not_allowed and v.name != "hides-torch-sdpa-behind-getattr"],
                          ids=variant_id)
 def test_a_not_allowed_function_in_the_source_scores_0_without_running(variant, tmp_path: Path):
     notebook = write(learner_notebook(variant.exercise, variant.answers), tmp_path / "answer.ipynb")

@@ -18,7 +18,13 @@ import pytest
 import yaml
 
 from tests.site_support import (
-    CHROMIUM_ARGS, element_ids, ensure_chromium, first_heading, front_matter, serve, toc_pages,
+    CHROMIUM_ARGS,
+    element_ids,
+    ensure_chromium,
+    first_heading,
+    front_matter,
+    serve,
+    toc_pages,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,10 +30,16 @@ import pytest
 
 from autograde import registry
 from autograde.cases import Draw, test_seed
-from autograde.compare import CaseResult
-from autograde.proxies import LearnerFailed
-from autograde.session import (SESSION_KEY, Session, TestInfo, default_notebook, hidden_seed_from_environment,
-                               report_name)
+from autograde.grading.compare import CaseResult
+from autograde.grading.proxies import LearnerFailed
+from autograde.grading.session import (
+    SESSION_KEY,
+    Session,
+    TestInfo,
+    default_notebook,
+    hidden_seed_from_environment,
+    report_name,
+)
 
 DEFAULT_TIME_LIMIT = 20.0
 
@@ -60,7 +66,7 @@ def _exercise_of(item) -> object:
 def _session(config, exercise) -> Session:
     """The front end's session, or, for a plain `pytest` run, one made from the options."""
     if SESSION_KEY not in config.stash:
-        from autograde.grade import open_notebook
+        from autograde.grading.grade import open_notebook
 
         seed = config.getoption("--seed")
         seed = seed if seed is not None else hidden_seed_from_environment()

@@ -14,14 +14,21 @@ import pytest
 import torch
 
 from autograde import rules
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, kind_of
+from autograde.testing import adapter, assert_rule, assert_same
 from autograde.tests.test_flash_forward import (
-    BLOCK_SIZES, FORWARD, HEAD_DIMS, attention_inputs, call_text, memory_limit, options_of, rows_attending_nothing,
+    BLOCK_SIZES,
+    FORWARD,
+    HEAD_DIMS,
+    attention_inputs,
+    call_text,
+    memory_limit,
+    options_of,
+    rows_attending_nothing,
     whole_scores_note,
 )
 from autograde.tests.test_sdpa import bottom_right_causal
-from autograde.observe import ContractError, kind_of
 
 BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from autograde import rules
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.observe import pair
+from autograde.sandbox.observe import pair
+from autograde.testing import adapter, assert_rule, assert_same
 
 ONLINE, FORWARD = "online_softmax", "flash_attention_forward"
 OPTIONS = ("causal", "block_q", "block_k")
@@ -133,7 +133,7 @@ def whole_scores_note(inputs: Inputs) -> str:
 def work_inputs(draw: Draw) -> Inputs:
     n = WORK_LENGTH
     return Inputs(attention_inputs(draw, 1, 1, n, n, 16, torch.float32, block_q=WORK_BLOCK, block_k=WORK_BLOCK),
-                  f"called with causal=False and causal=True; matmul FLOPs counted as FlopCounterMode counts them")
+                  "called with causal=False and causal=True; matmul FLOPs counted as FlopCounterMode counts them")
 
 
 # Hidden cases: sizes, blocks, dtypes drawn from the instructor's seed.

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from autograde import rules
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, pair
+from autograde.testing import adapter, assert_rule, assert_same
 from autograde.tests.test_flash_forward import HEAD_DIMS, attention_inputs, rows_attending_nothing
-from autograde.observe import ContractError, pair
 
 TRITON = "flash_attention_triton"
 INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, raised
+from autograde.testing import adapter, assert_same
 from autograde.tests.test_mha import PROJECTIONS, describe_layer
 from autograde.tests.test_sdpa import bottom_right_causal, random_mask
-from autograde.observe import ContractError, raised
 
 REPEAT, MODULE, CONVERT, BYTES = "repeat_kv", "GroupedQueryAttention", "mha_to_gqa", "kv_cache_bytes"
 # Pairs (num_heads, num_kv_heads) with 1 < num_kv_heads < num_heads: neither MHA nor MQA.

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, kind_of, pair
+from autograde.testing import adapter, assert_same
 from autograde.tests.test_gqa import GROUPED, projection_shapes, projection_weights
-from autograde.observe import ContractError, kind_of, pair
 
 STEP = "gqa_decode_step"
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from autograde.testing import adapter, assert_rule, assert_same
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, pair, raised
+from autograde.testing import adapter, assert_same
 from autograde.tests.test_sdpa import random_mask
-from autograde.observe import ContractError, pair, raised
 
 SPLIT, MERGE, MODULE, LOAD = "split_heads", "merge_heads", "MultiHeadAttention", "load_torch_mha"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -8,12 +8,11 @@ against the other. Run them on a notebook with
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-import pytest
-
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.observe import pair
+from autograde.sandbox.observe import pair
 from autograde.testing import adapter, assert_same, returned_pair
 
 ATTENTION = "scaled_dot_product_attention"

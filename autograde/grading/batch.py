@@ -18,11 +18,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from autograde import isolation, sandbox
-from autograde.registry import EXERCISES
 from autograde.cases import Exercise
-from autograde.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
-from autograde.journal import Journal, fingerprint, from_json, to_json
+from autograde.grading.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
+from autograde.grading.journal import Journal, fingerprint, from_json, to_json
+from autograde.registry import EXERCISES
+from autograde.sandbox import client as sandbox
+from autograde.sandbox import isolation
 
 
 def students_in(submitted: Path) -> list[str]:
@@ -117,7 +118,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 bar.update()
         else:
             # Each grading process dies with this one (SIGKILL included), and its fork server with it.
-            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                                       mp_context=multiprocessing.get_context("spawn"),
                                        initializer=isolation.die_with_parent)
             try:
                 futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,

@@ -1,6 +1,6 @@
 """The grader on Gradescope: the autograder zip, and the grading inside Gradescope's container.
 
-    python -m autograde.gradescope build --out autograder.zip [--seed N] [--assignment A ...]
+    python -m autograde.frontends.gradescope build --out autograder.zip [--seed N] [--assignment A ...]
 
 writes the zip to upload as a Gradescope programming assignment's autograder: `setup.sh` and
 `run_autograder` at its top, the `autograde` package, the solution notebooks of the chosen
@@ -8,7 +8,7 @@ assignments (the references come from their solution cells) and their released n
 (submissions are checked against them), the pinned requirements and `gradescope.json` with
 the instructor's seed. For each submission, `run_autograder` calls
 
-    python -m autograde.gradescope grade --root /autograder
+    python -m autograde.frontends.gradescope grade --root /autograder
 
 which finds the exercise notebooks among the uploaded files by name, grades them with the
 same sandboxed pipeline as `python -m autograde grade` (`grade.grade_notebook`)
@@ -33,14 +33,15 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograde import grade, notebook, report
 from autograde.cases import Exercise
+from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
+from autograde.grading import grade, report
 from autograde.registry import EXERCISES
-from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
+from autograde.submission import notebook
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # autograde/
 COURSE = PACKAGE.parent  # the course's folder; in the container, /autograder/source
-TEMPLATES = PACKAGE / "gradescope_files"  # copied to the top of the zip
+TEMPLATES = Path(__file__).resolve().parent / "gradescope_files"  # copied to the top of the zip
 EXECUTABLES = ("setup.sh", "run_autograder")
 CONFIG = "gradescope.json"
 # The references come from the solution cells; submissions are checked against the release.
@@ -298,7 +299,8 @@ def grade_submission(root: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autograde.gradescope", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m autograde.frontends.gradescope",
+                                     description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     add_arguments(commands.add_parser("build", help="write the autograder zip to upload on Gradescope"))
     grading = commands.add_parser("grade", help="grade a submission inside Gradescope's container")

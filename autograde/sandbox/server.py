@@ -33,7 +33,7 @@ import torch._dynamo  # noqa: F401  (torch imports it on first use of many funct
 import torch.utils.flop_counter  # noqa: F401
 import triton  # noqa: F401
 
-from autograde import isolation, worker
+from autograde.sandbox import isolation, worker
 
 STDOUT_TAIL = 1500
 
@@ -196,7 +196,8 @@ def _supervise(request: dict, report: int) -> None:
     if group is not None:
         group.remove()
     status = os.read(status_read, 64).decode() if ended is not None else ""
-    kind = "+".join(["namespaces" if namespaces else "session"] + ["uid"] * (uid is not None) + ["cgroup"] * bool(group))
+    kind = "+".join(["namespaces" if namespaces else "session"]
+                    + ["uid"] * (uid is not None) + ["cgroup"] * bool(group))
     outcome = {"returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None, "isolation": kind}
     if ended is not None and not status.isdigit():
         notes.append("the first process of the submission's tree was killed (out of memory?)")

@@ -9,11 +9,9 @@ from __future__ import annotations
 import functools
 import json
 import linecache
-from pathlib import Path
 
 from autograde import course
 from autograde.cases import Exercise
-
 
 
 def solution_cells(notebook: dict) -> list[str]:

@@ -14,7 +14,6 @@ import functools
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import nbformat
 from nbformat.notebooknode import NotebookNode
@@ -29,6 +28,7 @@ FLAGS = ("grade", "solution", "locked", "task")
 FIELDS = ("points", *FLAGS, "cell_type")  # the nbgrader metadata compared with the release's
 CELL_TYPES = ("code", "markdown", "raw")
 ABSENT = object()  # a metadata key the cell does not have
+CHANGED = "changed from the release: "  # how the grade's notes on tampered nbgrader cells start
 
 
 @functools.cache

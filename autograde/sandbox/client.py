@@ -1,6 +1,6 @@
 """Run the worker on a submission in an isolated, limited process tree.
 
-A `ForkServer` is one warm interpreter (`forkserver.py`, started with `python -I` and a
+A `ForkServer` is one warm interpreter (`server.py`, started with `python -I` and a
 scrubbed environment) that has imported torch once; every submission is a process tree
 forked from it, isolated and limited as that module describes: resource limits (CPU time,
 address space, file size, open files, processes), a wall-clock limit, and at the end the
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-_START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.forkserver import serve; serve()"
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
+_START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
 UID_BLOCK, UID_BLOCKS = 4096, 500_000  # up to FIRST_UID + 2**31: still below the largest uid, 2**32 - 2
@@ -58,7 +58,7 @@ class Limits:
 class ProcessOutcome:
     returncode: int | None  # None when it was stopped at the wall-clock limit
     output_tail: str
-    isolation: str = ""  # FULL_ISOLATION when fully isolated; see forkserver.py
+    isolation: str = ""  # FULL_ISOLATION when fully isolated; see server.py
     note: str = ""  # why the isolation is less than full, if it is
 
     @property
@@ -122,7 +122,8 @@ class ForkServer:
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
-            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **needed}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **needed}),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True,
         )
         self._lock = threading.Lock()

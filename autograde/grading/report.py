@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autograde.compare import CaseResult
-from autograde.forbidden import Violation
+from autograde.grading.compare import CaseResult
+from autograde.submission.forbidden import Violation
+from autograde.submission.integrity import CHANGED
 
 if TYPE_CHECKING:
-    from autograde.grade import Grade
+    from autograde.grading.grade import Grade
 
 CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release")
-CHANGED = "changed from the release: "  # how grade.py starts the notes on nbgrader cells that were tampered with
 
 
 def points(value: float) -> str:
@@ -52,7 +52,8 @@ def check_text(exercise_id: str, results: list[CaseResult], violations: list[Vio
 def grade_text(grade: Grade, seed: int) -> str:
     """A report on one graded notebook, every test in detail (for the instructor's terminal)."""
     exercise = grade.exercise
-    lines = [f"{exercise.id} ({exercise.notebook}, {exercise.title}): {points(grade.score)} / {points(grade.max_score)} points, "
+    lines = [f"{exercise.id} ({exercise.notebook}, {exercise.title}): "
+             f"{points(grade.score)} / {points(grade.max_score)} points, "
              f"status {grade.status}", f"hidden tests drawn with seed {seed}"]
     if grade.reason:
         lines.append(f"reason: {grade.reason}")
@@ -72,7 +73,7 @@ def write_atomically(path: Path, text: str) -> None:
     partial.replace(path)
 
 
-def cell(text: str) -> str:
+def spreadsheet_text(text: str) -> str:
     """Text a spreadsheet shows as text: never read as a formula (=, +, -, @ first)."""
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
@@ -84,8 +85,8 @@ def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
     writer.writerow(CSV_COLUMNS)
     for student, grade in rows:
         changed = [note.removeprefix(CHANGED) for note in grade.notes if note.startswith(CHANGED)]
-        writer.writerow([cell(student), grade.exercise.id, points(grade.score), points(grade.max_score),
-                         grade.status, cell(grade.reason), seed, cell("; ".join(changed))])
+        writer.writerow([spreadsheet_text(student), grade.exercise.id, points(grade.score), points(grade.max_score),
+                         grade.status, spreadsheet_text(grade.reason), seed, spreadsheet_text("; ".join(changed))])
     write_atomically(path, text.getvalue())
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from autograde import registry
 from autograde.cases import Exercise
-from autograde.observe import Submission
+from autograde.sandbox.observe import Submission
 
 
 class UnknownCall(AttributeError):

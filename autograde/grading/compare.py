@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autograde.cases import TOLERANCE
-from autograde.observe import OtherValue, TensorValue
+from autograde.sandbox.observe import OtherValue, TensorValue
 
 
 @dataclass(frozen=True)

@@ -30,5 +30,5 @@ chmod -R a+rX "$PREFIX"
 
 # Fail here rather than at the first submission: the grader and its exercises import.
 cd "$SOURCE"
-TRITON_INTERPRET=1 "$PYTHON" -c "import autograde.gradescope, torch, triton; assert torch.version.cuda is None"
+TRITON_INTERPRET=1 "$PYTHON" -c "import autograde.frontends.gradescope, torch, triton; assert torch.version.cuda is None"
 echo "installed $("$PYTHON" --version), torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

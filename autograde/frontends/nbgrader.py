@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import secrets
 
-from autograde import forbidden, registry
+from autograde import registry
 from autograde.cases import Exercise
-from autograde.self_check import run_in_kernel
-from autograde.session import SEED_VARIABLE
+from autograde.frontends.check import run_in_kernel
+from autograde.grading.session import SEED_VARIABLE
+from autograde.submission import forbidden
 
 
 def choose_seed(given: int | None) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from autograde.cases import Inputs
-from autograde.observe import WIDENED, OtherValue, TensorValue
+from autograde.sandbox.observe import WIDENED, OtherValue, TensorValue
 
 MAX_JSON_BYTES = 4 * 2**20
 MAX_ARRAY_BYTES = 256 * 2**20
@@ -222,7 +222,8 @@ def _tensor_value(item: dict, folder: Path, budget: _Budget) -> TensorValue:
     shape, dtype, data = _npy(folder / name, budget)
     claimed = _text(item.get("dtype"), 40)
     # The header says what the array holds; a label is believed only where numpy has no such dtype.
-    actual = claimed if claimed in _CARRIED and _CARRIED[claimed] == dtype else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
+    carried = claimed in _CARRIED and _CARRIED[claimed] == dtype
+    actual = claimed if carried else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
     return TensorValue(shape, actual, _text(item.get("device"), 40), _load(data))
 
 

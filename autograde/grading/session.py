@@ -20,10 +20,10 @@ import pytest
 
 from autograde import course, registry
 from autograde.cases import Exercise
-from autograde.compare import CaseResult
-from autograde.forbidden import Violation
-from autograde.observe import Failure
-from autograde.proxies import LearnerFailed, LocalSubmission, Reference, SandboxedSubmission, _Proxy
+from autograde.grading.compare import CaseResult
+from autograde.grading.proxies import LearnerFailed, Reference, SandboxedSubmission, _Proxy
+from autograde.sandbox.observe import Failure
+from autograde.submission.forbidden import Violation
 
 PLUGIN_NAME = "autograde-session"
 SEED_VARIABLE = "AUTOGRADE_SEED"

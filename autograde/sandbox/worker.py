@@ -1,6 +1,6 @@
 """What runs inside the sandboxed process: the submission's cells, then the tests' calls.
 
-Run by the fork server (`forkserver.py`) in a scratch folder holding `job.json`. It runs the
+Run by the fork server (`server.py`) in a scratch folder holding `job.json`. It runs the
 notebook's code cells (as in Jupyter, a failing cell does not stop the next), connects to the
 grading process over `channel.sock`, says which cells failed and which names are missing, and
 then answers calls, one at a time, until told it is done: each call names an adapter of the
@@ -23,10 +23,10 @@ import numpy
 import torch
 
 from autograde import registry
-from autograde.calls import LearnerCalls
-from autograde.forbidden import Tripwire
-from autograde.observe import Failure, failure_from, observe
-from autograde.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
+from autograde.sandbox.calls import LearnerCalls
+from autograde.sandbox.observe import Failure, failure_from, observe
+from autograde.sandbox.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
+from autograde.submission.forbidden import Tripwire
 
 
 class TimeLimit(BaseException):

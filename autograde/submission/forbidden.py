@@ -18,7 +18,7 @@ from typing import Iterable
 
 from torch.overrides import TorchFunctionMode
 
-from autograde.observe import learner_line
+from autograde.sandbox.observe import learner_line
 
 
 @dataclass(frozen=True)

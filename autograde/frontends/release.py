@@ -17,7 +17,6 @@ from traitlets.config import Config
 from autograde import course
 
 
-
 def assignments(solutions: Path) -> list[str]:
     return sorted(p.name for p in solutions.iterdir() if p.is_dir() and any(p.glob("*.ipynb")))
 
@@ -33,18 +32,19 @@ def generate(course: Path, assignment: str) -> None:
 
 
 def release(solutions: Path | None = None, exercises: Path | None = None) -> list[Path]:
+    """Regenerate `exercises` from every assignment of `solutions` (by default the course's own);
+    returns the notebooks written."""
     solutions, exercises = solutions or course.solutions(), exercises or course.exercises()
-    """Regenerate `exercises` from every assignment of `solutions`; returns the notebooks written."""
     with tempfile.TemporaryDirectory(prefix="autograde-release-") as scratch:
-        course = Path(scratch)
+        nbgrader_course = Path(scratch)
         for assignment in assignments(solutions):
-            shutil.copytree(solutions / assignment, course / "source" / assignment,
+            shutil.copytree(solutions / assignment, nbgrader_course / "source" / assignment,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-            generate(course, assignment)
+            generate(nbgrader_course, assignment)
         # Only once every assignment generated: replace what was there, stale assignments included.
         shutil.rmtree(exercises, ignore_errors=True)
         written = []
-        for notebook in sorted((course / "release").glob("*/*.ipynb")):
+        for notebook in sorted((nbgrader_course / "release").glob("*/*.ipynb")):
             target = exercises / notebook.parent.name
             target.mkdir(parents=True, exist_ok=True)
             written.append(Path(shutil.copy(notebook, target)))

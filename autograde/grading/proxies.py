@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from autograde import reference as solutions
-from autograde import sandbox, wire
-from autograde.calls import LearnerCalls, callable_names
 from autograde.cases import Exercise, Inputs
-from autograde.forbidden import Tripwire, Violation
-from autograde.observe import Failure, failure_from, observe
+from autograde.grading import reference as solutions
+from autograde.sandbox import client as sandbox
+from autograde.sandbox import wire
+from autograde.sandbox.calls import LearnerCalls, callable_names
+from autograde.sandbox.observe import Failure, failure_from, observe
+from autograde.submission.forbidden import Tripwire, Violation
 
 GRACE = 10.0  # seconds the grading process waits past a call's own limit before it gives up on the worker
 
@@ -94,7 +95,9 @@ class Reference(_Proxy):
 
 def _float64(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64).requires_grad_(value.requires_grad) if value.is_floating_point() else value
+        if not value.is_floating_point():
+            return value
+        return value.detach().to(torch.float64).requires_grad_(value.requires_grad)
     if isinstance(value, Inputs):
         return value.cast(torch.float64)
     if isinstance(value, dict):

@@ -8,8 +8,11 @@ import signal
 import sys
 from pathlib import Path
 
-from autograde import batch, course, grade, gradescope, journal, registry, release, report, sandbox
-from autograde.nbgrader_tests import SEED_VARIABLE, choose_seed
+from autograde import course, registry
+from autograde.frontends import gradescope, release
+from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
+from autograde.grading import batch, grade, journal, report
+from autograde.sandbox import client as sandbox
 
 
 def exercise_of(path: Path):

@@ -1,7 +1,7 @@
 """Checks inside the learner's notebook: the exercise's tests on the notebook's own functions.
 
 `check("sdpa")` runs the visible tests with pytest, in the learner's kernel, and prints what
-is wrong; `run_in_kernel` is also what the nbgrader test cells call (`autograde.nbgrader_tests`).
+is wrong; `run_in_kernel` is also what the nbgrader test cells call (`autograde.frontends.nbgrader`).
 Unlike the instructor's grader, this runs in the learner's own kernel: no sandbox is needed,
 the code is theirs.
 """
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import inspect
 
-from autograde import forbidden, registry
+from autograde import registry
 from autograde.cases import Exercise
-from autograde.compare import CaseResult
-from autograde.proxies import LocalSubmission
-from autograde.report import check_text
-from autograde.session import Session, catalogue
+from autograde.grading.compare import CaseResult
+from autograde.grading.proxies import LocalSubmission
+from autograde.grading.report import check_text
+from autograde.grading.session import Session, catalogue
+from autograde.submission import forbidden
 
 
 def history_cells(namespace: dict) -> list[tuple[str, str]]:

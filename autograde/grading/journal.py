@@ -16,9 +16,9 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from autograde.compare import CaseResult
+from autograde.grading.compare import CaseResult
+from autograde.grading.grade import Grade
 from autograde.registry import EXERCISES
-from autograde.grade import Grade
 
 FILE = "journal.sqlite3"
 _SCHEMA = """
@@ -88,12 +88,12 @@ class Journal:
         """(student, exercise) -> the fingerprint of the notebook that was graded."""
         with self._lock:
             rows = self._db.execute("select student, exercise, fingerprint from grades").fetchall()
-        return {(student, exercise): print_ for student, exercise, print_ in rows}
+        return {(student, exercise): notebook_hash for student, exercise, notebook_hash in rows}
 
-    def record(self, student: str, print_: str, grade: Grade) -> None:
+    def record(self, student: str, notebook_hash: str, grade: Grade) -> None:
         with self._lock:
             self._db.execute("insert or replace into grades values (?, ?, ?, ?)",
-                             (student, grade.exercise.id, print_, to_json(grade)))
+                             (student, grade.exercise.id, notebook_hash, to_json(grade)))
 
     def grades(self) -> dict[tuple[str, str], Grade]:
         with self._lock:

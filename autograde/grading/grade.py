@@ -13,12 +13,13 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograde import extract, forbidden, integrity, notebook, report, sandbox
 from autograde.cases import Exercise
-from autograde.compare import CaseResult
-from autograde.proxies import SandboxedSubmission, _Proxy
+from autograde.grading.compare import CaseResult
+from autograde.grading.proxies import SandboxedSubmission, _Proxy
+from autograde.grading.session import Blocked, Session, catalogue
 from autograde.registry import EXERCISES
-from autograde.session import Blocked, Session, catalogue
+from autograde.sandbox import client as sandbox
+from autograde.submission import extract, forbidden, integrity, notebook
 
 GRADED, INCOMPLETE, MISSING, INVALID, NOT_ALLOWED, CRASHED = (
     "graded", "incomplete", "missing", "invalid", "not allowed", "crashed")
@@ -113,7 +114,7 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
         submitted = notebook.load(path)
     except notebook.NotebookError as exc:
         return not_run(exercise, INVALID, str(exc))
-    changed = tuple(f"{report.CHANGED}{finding}"
+    changed = tuple(f"{integrity.CHANGED}{finding}"
                     for finding in integrity.findings(submitted, integrity.released_notebook(exercise)))
     cells = extract.code_cells(submitted)
     violations = forbidden.scan([(cell.label, cell.source) for cell in cells], exercise.not_allowed)
