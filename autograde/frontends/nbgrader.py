@@ -55,7 +55,11 @@ def test_function(test_name: str) -> str:
     return "test_" + test_name.replace("-", "_")
 
 
-def run(exercise_id: str, test_name: str, namespace: dict) -> None:
+def run(exercise_id: str, test_name: str, namespace: dict) -> float | None:
+    """One test (all its parametrised cases): passes, or raises AssertionError with what is wrong.
+
+    When only some cases of a parametrised test fail, the points of those that passed are the
+    cell's value, which nbgrader takes as partial credit, as the grader gives it."""
     exercise = registry.get(exercise_id)
     results, violations, _ = run_in_kernel(exercise, namespace, hidden_seed(), test_function(test_name))
     found = {v.name for v in violations}
@@ -66,9 +70,15 @@ def run(exercise_id: str, test_name: str, namespace: dict) -> None:
     if not results:
         raise AssertionError(f"{exercise_id} has no test {test_name!r}")
     failed = [result for result in results if not result.passed]
-    if failed:
-        if not failed[0].visible:
-            raise AssertionError(f"hidden test {test_name} failed")
-        raise AssertionError("\n".join(line for result in failed for line in
-                                       [f"test {result.name} failed", f"inputs: {result.inputs}", *result.problems]))
-    print(f"test {test_name} passed")
+    if not failed:
+        print(f"test {test_name} passed")
+        return None
+    if not failed[0].visible:
+        report = [f"hidden test {result.name} failed" for result in failed]
+    else:
+        report = [line for result in failed
+                  for line in [f"test {result.name} failed", f"inputs: {result.inputs}", *result.problems]]
+    if len(failed) == len(results):
+        raise AssertionError("\n".join(report))
+    print("\n".join(report))
+    return sum(result.points for result in results if result.passed)

@@ -1,5 +1,8 @@
 """Generate the learner notebooks `exercises/` from `solutions/` with nbgrader itself.
 
+First the solution notebooks' autograded test cells are written from the exercises' tests
+(`sync_test_cells`): one cell per test function, worth its points, calling
+`run("<id>", "<test>", globals())`, hidden tests between nbgrader's hidden-test markers. Then
 nbgrader's `generate_assignment` runs in a temporary course folder (its `source/` a copy of
 `solutions/`), and its `release/` notebooks replace those in `exercises/`. No gradebook is
 kept: the release needs none, and instructors keep their own.
@@ -11,10 +14,55 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import nbformat
 from nbgrader.apps import NbGraderAPI
 from traitlets.config import Config
 
-from autograde import course
+from autograde import course, registry
+from autograde.cases import Exercise
+from autograde.grading.session import TestInfo, catalogue
+
+TEST_CELL = "test-"  # how the grade ids of the autograded test cells start
+
+
+def test_functions(exercise: Exercise) -> list[TestInfo]:
+    """The exercise's tests by function: a parametrised test's cases together, their points summed."""
+    functions: dict[str, TestInfo] = {}
+    for test in catalogue(exercise):
+        name = test.name.split("[")[0]
+        known = functions.get(name)
+        functions[name] = TestInfo(name, test.points + (known.points if known else 0), test.visible, test.about,
+                                   test.uses)
+    return list(functions.values())
+
+
+def test_cell(exercise_id: str, test: TestInfo) -> nbformat.NotebookNode:
+    points = f"{test.points:g} point{'' if test.points == 1 else 's'}"
+    call = f'run("{exercise_id}", "{test.name}", globals())'
+    source = "\n".join([f"# {'Test' if test.visible else 'Hidden test'} {test.name} ({points}): {test.about}",
+                        "from autograde.frontends.nbgrader import run", "",
+                        call if test.visible else f"### BEGIN HIDDEN TESTS\n{call}\n### END HIDDEN TESTS"])
+    cell = nbformat.v4.new_code_cell(source)
+    cell.id = f"{TEST_CELL}{test.name}"
+    cell.metadata["nbgrader"] = {"grade": True, "grade_id": cell.id, "locked": True, "points": test.points,
+                                 "schema_version": 3, "solution": False, "task": False}
+    return cell
+
+
+def sync_test_cells(path: Path, exercise: Exercise) -> bool:
+    """Write the notebook's test cells from the exercise's tests, where the old ones were (else at
+    the end); whether the notebook changed."""
+    notebook = nbformat.read(path, as_version=4)
+    grade_id = lambda cell: cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")  # noqa: E731
+    old = [index for index, cell in enumerate(notebook.cells) if grade_id(cell).startswith(TEST_CELL)]
+    kept = [cell for cell in notebook.cells if not grade_id(cell).startswith(TEST_CELL)]
+    at = old[0] if old else len(kept)
+    cells = kept[:at] + [test_cell(exercise.id, test) for test in test_functions(exercise)] + kept[at:]
+    if [(c.source, c.metadata) for c in cells] == [(c.source, c.metadata) for c in notebook.cells]:
+        return False
+    notebook.cells = cells
+    nbformat.write(notebook, path)
+    return True
 
 
 def assignments(solutions: Path) -> list[str]:
@@ -35,6 +83,9 @@ def release(solutions: Path | None = None, exercises: Path | None = None) -> lis
     """Regenerate `exercises` from every assignment of `solutions` (by default the course's own);
     returns the notebooks written."""
     solutions, exercises = solutions or course.solutions(), exercises or course.exercises()
+    for exercise in registry.EXERCISES.values():
+        if (solutions / exercise.notebook).exists():
+            sync_test_cells(solutions / exercise.notebook, exercise)
     with tempfile.TemporaryDirectory(prefix="autograde-release-") as scratch:
         nbgrader_course = Path(scratch)
         for assignment in assignments(solutions):
