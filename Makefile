@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 JB_FLAGS := -W -n --keep-going
 
-.PHONY: book test exercises benchmark clean
+.PHONY: book test test-grader lint exercises benchmark clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,17 @@ $(STAMP): requirements.txt requirements-dev.txt
 book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . $(JB_FLAGS)
 
-test: book
+test: book lint
 	$(PY) -m pytest
+
+# The grader's tests alone, without building the book: the exercises' tests on the solutions,
+# then the repository's tests of the grader and the exercises.
+test-grader: lint
+	$(PY) -m pytest autograde/tests --seed 12345 -q
+	$(PY) -m pytest tests --ignore=tests/test_site.py --ignore=tests/test_course_layout.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check autograde tests benchmarks tools
 
 exercises: $(STAMP)
 	$(PY) -m autograde release

@@ -120,10 +120,11 @@ class _Plugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config):
-        config.stash[SESSION_KEY] = self.session
+        config.stash[SESSIONS_KEY] = {self.session.exercise.id: self.session}
 
 
-SESSION_KEY = pytest.StashKey[Session]()
+# The run's sessions by exercise: a front end's one, or one per test module of a plain `pytest` run.
+SESSIONS_KEY = pytest.StashKey[dict]()
 
 
 _catalogues: dict[str, tuple[TestInfo, ...]] = {}

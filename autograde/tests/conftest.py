@@ -33,7 +33,7 @@ from autograde.cases import Draw, test_seed
 from autograde.grading.compare import CaseResult
 from autograde.grading.proxies import LearnerFailed
 from autograde.grading.session import (
-    SESSION_KEY,
+    SESSIONS_KEY,
     Session,
     TestInfo,
     default_notebook,
@@ -64,16 +64,17 @@ def _exercise_of(item) -> object:
 
 
 def _session(config, exercise) -> Session:
-    """The front end's session, or, for a plain `pytest` run, one made from the options."""
-    if SESSION_KEY not in config.stash:
+    """The front end's session, or, for a plain `pytest` run, one per exercise made from the options."""
+    sessions = config.stash.setdefault(SESSIONS_KEY, {})
+    if exercise.id not in sessions:
         from autograde.grading.grade import open_notebook
 
         seed = config.getoption("--seed")
         seed = seed if seed is not None else hidden_seed_from_environment()
         path = config.getoption("--notebook") or default_notebook(exercise)
-        config.stash[SESSION_KEY] = Session(exercise, lambda: open_notebook(exercise, path), seed,
-                                            config.getoption("--visible-only"))
-    return config.stash[SESSION_KEY]
+        sessions[exercise.id] = Session(exercise, lambda: open_notebook(exercise, path), seed,
+                                        config.getoption("--visible-only"))
+    return sessions[exercise.id]
 
 
 def _points(item) -> float:
@@ -112,8 +113,8 @@ INFO_KEY = pytest.StashKey[TestInfo]()
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    run = item.config.stash.get(SESSION_KEY, None)
     info = item.stash.get(INFO_KEY, None)
+    run = item.config.stash.get(SESSIONS_KEY, {}).get(_exercise_of(item).id) if info is not None else None
     if run is None or info is None or (report.when != "call" and report.passed):
         return
     if report.failed or report.skipped:
@@ -169,19 +170,17 @@ def draw(request, exercise):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    run = config.stash.get(SESSION_KEY, None)
-    if run is None or run.open_submission is None or run.submission is None:
-        return
-    earned = sum(r.points for r in run.results.values() if not r.problems)
-    possible = sum(info.points for info in run.catalogue)
-    violations = run.violations
-    line = f"{run.exercise.id}: {earned:g} of {possible:g} points from the tests run"
-    if violations:
-        line += "; not allowed: " + "; ".join(v.describe() for v in violations) + " (the grader gives 0)"
-    terminalreporter.write_sep("-", line)
+    for run in config.stash.get(SESSIONS_KEY, {}).values():
+        if run.open_submission is None or run.submission is None:
+            continue
+        earned = sum(r.points for r in run.results.values() if not r.problems)
+        possible = sum(info.points for info in run.catalogue)
+        line = f"{run.exercise.id}: {earned:g} of {possible:g} points from the tests run"
+        if run.violations:
+            line += "; not allowed: " + "; ".join(v.describe() for v in run.violations) + " (the grader gives 0)"
+        terminalreporter.write_sep("-", line)
 
 
 def pytest_unconfigure(config):
-    run = config.stash.get(SESSION_KEY, None)
-    if run is not None:
+    for run in config.stash.get(SESSIONS_KEY, {}).values():
         run.close()
