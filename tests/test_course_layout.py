@@ -10,7 +10,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "_build" / "html"
-PROSE_PAGES = {"book/intro", "book/sources", "book/glossary", "book/bibliography", "book/errata"}
+PROSE_PAGES = {"book/intro", "book/sources", "book/glossary", "book/bibliography", "book/errata", "book/contract"}
 
 
 def toc_files() -> list[str]:
@@ -73,3 +73,12 @@ def test_every_built_chapter_has_figures_exercises_and_citations(chapter):
     assert 'class="exercise' in html or "exercise admonition" in html, "no exercise"
     assert 'class="reference internal" href="bibliography.html' in html or "bibliography.html#id" in html, \
         "no citation"
+
+
+SHARED_CONTRACT = ROOT.parent / "shared" / "spec" / "exercises.md"
+
+
+@pytest.mark.skipif(not SHARED_CONTRACT.exists(), reason="the course's shared specification is not beside the clone")
+def test_the_contract_page_is_the_exercise_specification():
+    """Learners read the contract in the book; it is the specification the grader implements, word for word."""
+    assert (ROOT / "book" / "contract.md").read_text() == SHARED_CONTRACT.read_text()
