@@ -10,6 +10,7 @@ from tests.fixtures.implementations import SDPA_WRONG
 from tests.fixtures.notebooks import SEED, answer
 
 pytestmark = pytest.mark.timeout(60)
+SDPA = "scaled_dot_product_attention"
 
 
 def namespace_of(*sources: str) -> dict:
@@ -47,15 +48,28 @@ def test_check_reads_the_callers_globals_and_can_run_one_functions_tests(capsys)
         check("sdpa", "split_heads", namespace=namespace)
 
 
-def test_check_warns_about_a_not_allowed_call_in_the_kernels_history(capsys):
+def test_check_warns_about_a_not_allowed_call_in_a_graded_function(capsys):
+    namespace = reference_sdpa()
+    helper = "import torch.nn.functional as F\ndef fast(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v)"
+    uses = "def scaled_dot_product_attention(q, k, v, mask=None):\n    return fast(q, k, v), None"
+    namespace["In"] = ["", helper, answer("sdpa", SDPA), uses, answer("sdpa", SDPA)]
+    check("sdpa", namespace=namespace)  # In [3] was replaced by In [4]: nothing counts
+    assert "NOT ALLOWED" not in capsys.readouterr().out
+    namespace["In"] = namespace["In"][:4]
+    check("sdpa", namespace=namespace)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("NOT ALLOWED: uses torch.nn.functional.scaled_dot_product_attention (In [1], line 3: ")
+    assert lines[-1].startswith('check("sdpa"): the grader gives this exercise 0 points, whatever the tests')
+
+
+def test_check_only_notes_a_call_outside_the_graded_functions(capsys):
     namespace = reference_sdpa()
     namespace["In"] = ["", "import torch.nn.functional as F\nF.scaled_dot_product_attention(q, k, v)"]
     check("sdpa", namespace=namespace)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2:] == ["NOT ALLOWED: uses torch.nn.functional.scaled_dot_product_attention (In [1], line 2: "
-                          "`F.scaled_dot_product_attention(q, k, v)`)",
-                          'check("sdpa"): the grader gives this exercise 0 points, whatever the tests '
-                          "(they would give 6 of 6 visible points)"]
+    assert lines[-2:] == ["note: uses torch.nn.functional.scaled_dot_product_attention (In [1], line 2: "
+                          "`F.scaled_dot_product_attention(q, k, v)`) is outside the graded functions: not counted",
+                          'check("sdpa"): 6 of 6 points from the visible tests (hidden tests add 4 more at grading)']
 
 
 def test_an_nbgrader_test_cell_passes_or_says_why_not(monkeypatch, capsys):
@@ -72,7 +86,9 @@ def test_an_nbgrader_test_cell_passes_or_says_why_not(monkeypatch, capsys):
 
 def test_an_nbgrader_test_cell_scores_0_for_a_not_allowed_call(monkeypatch):
     namespace = reference_sdpa()
-    namespace["In"] = ["", "from torch.nn.functional import scaled_dot_product_attention as fast"]
+    namespace["In"] = ["", "from torch.nn.functional import scaled_dot_product_attention as fast\n",
+                       answer("sdpa", SDPA).replace("weights = torch.softmax(scores, dim=-1)",
+                                                    "weights = torch.softmax(scores, dim=-1)\n    fast")]
     with pytest.raises(AssertionError, match="not allowed in sdpa, so every test scores 0"):
         run("sdpa", "causal-mask-square", namespace)
 

@@ -20,7 +20,10 @@ from autograde.submission import forbidden
 
 
 def history_cells(namespace: dict) -> list[tuple[str, str]]:
-    """The cells run so far in this Jupyter kernel (IPython keeps them in `In`), for the static scan."""
+    """The cells run so far in this Jupyter kernel (IPython keeps them in `In`), for the static scan.
+
+    Only what the exercise's functions reach counts, their latest definitions winning, as in
+    the notebook that is handed in: a cell run once and deleted since changes nothing."""
     history = namespace.get("In")
     if not isinstance(history, list):
         return []
@@ -35,7 +38,7 @@ def run_in_kernel(exercise: Exercise, namespace: dict, hidden_seed: int | None, 
     session.run(*selection)
     order = [test.name for test in catalogue(exercise)]
     results = sorted(session.results.values(), key=lambda result: order.index(result.name))
-    violations = forbidden.scan(history_cells(namespace), exercise.not_allowed)
+    violations, _ = forbidden.scan_graded(history_cells(namespace), exercise)
     found = {v.name for v in violations}
     return results, violations + [v for v in submission.violations if v.name not in found], submission
 
@@ -55,4 +58,5 @@ def check(exercise_id: str, function: str | None = None, namespace: dict | None 
         using = {test.name for test in catalogue(exercise) if function in test.uses}
         results = [r for r in results if r.name in using]
     hidden = sum(test.points for test in catalogue(exercise) if not test.visible) if function is None else 0
-    print(check_text(exercise_id, results, violations, hidden))
+    _, elsewhere = forbidden.scan_graded(history_cells(namespace), exercise)
+    print(check_text(exercise_id, results, violations, hidden, elsewhere))

@@ -16,7 +16,7 @@ import secrets
 from autograde import registry
 from autograde.cases import Exercise
 from autograde.frontends.check import run_in_kernel
-from autograde.grading.session import SEED_VARIABLE
+from autograde.grading.session import SEED_VARIABLE, catalogue, hidden_seed_from_environment
 from autograde.submission import forbidden
 
 
@@ -45,7 +45,9 @@ def violations_in_any_test(exercise: Exercise, namespace: dict) -> list[forbidde
     """The tripwire over every test of the exercise, once for each definition of its functions."""
     key = (exercise.id, tuple(id(namespace.get(name)) for name in exercise.required))
     if key not in _swept:
-        _, violations, _ = run_in_kernel(exercise, namespace, hidden_seed())
+        # Grading (a seed is set): every test. A learner running the notebook: the visible ones.
+        seed = hidden_seed_from_environment()
+        _, violations, _ = run_in_kernel(exercise, namespace, seed, visible_only=seed is None)
         _swept[key] = violations
     return _swept[key]
 
@@ -61,7 +63,9 @@ def run(exercise_id: str, test_name: str, namespace: dict) -> float | None:
     When only some cases of a parametrised test fail, the points of those that passed are the
     cell's value, which nbgrader takes as partial credit, as the grader gives it."""
     exercise = registry.get(exercise_id)
-    results, violations, _ = run_in_kernel(exercise, namespace, hidden_seed(), test_function(test_name))
+    hidden = any(not test.visible for test in catalogue(exercise) if test.name.split("[")[0] == test_name)
+    results, violations, _ = run_in_kernel(exercise, namespace, hidden_seed() if hidden else None,
+                                           test_function(test_name))
     found = {v.name for v in violations}
     violations += [v for v in violations_in_any_test(exercise, namespace) if v.name not in found]
     if violations:

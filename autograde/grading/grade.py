@@ -89,6 +89,14 @@ def _not_allowed_reason(violations: list[forbidden.Violation]) -> str:
     return "; ".join(v.describe() for v in violations) + ", which this exercise does not allow"
 
 
+def outside_note(violations: list[forbidden.Violation]) -> tuple[str, ...]:
+    """Uses outside the code the graded functions reach: told, not counted."""
+    if not violations:
+        return ()
+    return ("; ".join(v.describe() for v in violations)
+            + ": outside the graded functions, so not counted (inside them it would cost the exercise)",)
+
+
 def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandbox.Limits()) -> _Proxy:
     """The `submission` of a plain `pytest --notebook` run: the notebook in a sandboxed worker, or,
     when it cannot run, a submission whose every call fails with the reason."""
@@ -96,7 +104,7 @@ def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandb
         cells = extract.code_cells(notebook.load(path))
     except notebook.NotebookError as exc:
         return Blocked(exercise, str(exc))
-    violations = forbidden.scan([(cell.label, cell.source) for cell in cells], exercise.not_allowed)
+    violations, _ = forbidden.scan_graded([(cell.label, cell.source) for cell in cells], exercise)
     if violations:
         return Blocked(exercise, _not_allowed_reason(violations))
     return SandboxedSubmission(exercise, [(cell.number, cell.source) for cell in cells], limits)
@@ -117,7 +125,8 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
     changed = tuple(f"{integrity.CHANGED}{finding}"
                     for finding in integrity.findings(submitted, integrity.released_notebook(exercise)))
     cells = extract.code_cells(submitted)
-    violations = forbidden.scan([(cell.label, cell.source) for cell in cells], exercise.not_allowed)
+    violations, elsewhere = forbidden.scan_graded([(cell.label, cell.source) for cell in cells], exercise)
+    changed = outside_note(elsewhere) + changed
     if violations:
         return not_run(exercise, NOT_ALLOWED, _not_allowed_reason(violations), changed)
     session = Session(exercise, lambda: SandboxedSubmission(

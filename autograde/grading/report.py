@@ -33,12 +33,13 @@ def case_lines(result: CaseResult, details: bool) -> list[str]:
 
 
 def check_text(exercise_id: str, results: list[CaseResult], violations: list[Violation],
-               hidden_points: float) -> str:
+               hidden_points: float, elsewhere: list[Violation] = ()) -> str:
     """What `check(...)` prints in the notebook: each test, then the verdict the grader will give."""
     earned, possible = sum(r.earned for r in results), sum(r.points for r in results)
     lines = []
     for result in results:
         lines += case_lines(result, details=True)
+    lines += [f"note: {violation.describe()} is outside the graded functions: not counted" for violation in elsewhere]
     if violations:
         lines += [f"NOT ALLOWED: {violation.describe()}" for violation in violations]
         lines.append(f'check("{exercise_id}"): the grader gives this exercise 0 points, whatever the tests '

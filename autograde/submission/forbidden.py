@@ -103,8 +103,48 @@ def _uses(tree: ast.AST, name: str, torch_names: set[str]) -> Iterable[ast.AST]:
             yield node
 
 
-def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str]) -> list[Violation]:
-    """Violations in `cells`, pairs of (label such as 'cell 5', source); unparsable cells are skipped."""
+def _bound_names(statement: ast.stmt) -> list[str]:
+    """The names a top-level statement binds: a def or class, an assignment's targets, an import."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement.name]
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return [(alias.asname or alias.name).split(".")[0] for alias in statement.names]
+    targets = statement.targets if isinstance(statement, ast.Assign) else \
+        [statement.target] if isinstance(statement, (ast.AnnAssign, ast.AugAssign)) else []
+    return [node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name)]
+
+
+Parsed = list[tuple[str, list[str], ast.AST]]  # (label, lines, tree) of each cell
+
+
+def reachable(parsed: Parsed, roots: Iterable[str]) -> Parsed:
+    """The top-level statements that define `roots` and every name they use, transitively, as the
+    notebook leaves them (a later definition replaces an earlier one)."""
+    definitions: dict[str, list] = {}
+    for label, lines, tree in parsed:
+        for statement in tree.body:
+            for name in _bound_names(statement):
+                definitions[name] = [(label, lines, statement)]
+    found, seen, waiting = [], set(), list(roots)
+    while waiting:
+        name = waiting.pop()
+        if name in seen or name not in definitions:
+            continue
+        seen.add(name)
+        for label, lines, statement in definitions[name]:
+            if all(statement is not other for _, _, other in found):
+                found.append((label, lines, statement))
+            waiting += [node.id for node in ast.walk(statement) if isinstance(node, ast.Name)]
+    return found
+
+
+def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
+         roots: Iterable[str] | None = None) -> list[Violation]:
+    """Violations in `cells`, pairs of (label such as 'cell 5', source); unparsable cells are skipped.
+
+    With `roots` (the exercise's functions), only the code they reach counts: their definitions
+    and what those use, transitively. One violation per line, however many names it matches.
+    """
     parsed = []
     for label, source in cells:
         try:
@@ -112,15 +152,31 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str]) -> list[V
         except SyntaxError:
             continue
     torch_names = _torch_aliases(tree for _, _, tree in parsed)
+    nodes = parsed if roots is None else reachable(parsed, roots)
     found: list[Violation] = []
+    places: set[str] = set()
     for name in not_allowed:
-        for label, lines, tree in parsed:
+        for label, lines, tree in nodes:
             for node in _uses(tree, name, torch_names):
-                line = lines[node.lineno - 1].strip()
-                violation = Violation(name, f"{label}, line {node.lineno}: `{line}`")
-                if violation not in found:
-                    found.append(violation)
-    return found
+                where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
+                if where not in places:
+                    places.add(where)
+                    found.append(Violation(name, where))
+    return sorted(found, key=lambda violation: _order(violation, [label for label, _, _ in parsed]))
+
+
+def _order(violation: Violation, labels: list[str]) -> tuple[int, int]:
+    label, _, rest = violation.where.partition(", line ")
+    return (labels.index(label) if label in labels else len(labels), int(rest.split(":")[0] or 0))
+
+
+def scan_graded(cells: Iterable[tuple[str, str]], exercise) -> tuple[list[Violation], list[Violation]]:
+    """Not-allowed uses in the code the exercise's functions reach (they cost the exercise), and
+    elsewhere in the notebook (a check of the learner's own, say: a note, not a zero)."""
+    cells = list(cells)
+    graded = scan(cells, exercise.not_allowed, roots=exercise.required)
+    elsewhere = [v for v in scan(cells, exercise.not_allowed) if v.where not in {g.where for g in graded}]
+    return graded, elsewhere
 
 
 def resolve(name: str):
