@@ -276,7 +276,7 @@ def grade_submission(root: Path) -> dict:
     started = time.monotonic()
     config = json.loads((COURSE / CONFIG).read_text())
     seed, exercises = config["seed"], [e for e in EXERCISES.values() if e.assignment in config["assignments"]]
-    print(f"grading {root / 'submission'} with the course in {COURSE}: {', '.join(config['assignments'])}, seed {seed}")
+    print(f"grading {root / 'submission'} with the course in {COURSE}: {', '.join(config['assignments'])}")
     found, notes = find_all(exercises, root / "submission")
     grades = []
     with tempfile.TemporaryDirectory(prefix="gradescope-") as folder:
@@ -287,7 +287,7 @@ def grade_submission(root: Path) -> dict:
                  for e, f in zip(exercises, found)]
         for exercise, f, path in zip(exercises, found, paths):
             graded = grade.grade_notebook(path, exercise, seed)
-            print(f"\n{f.note}\n{report.grade_text(graded, seed)}", flush=True)
+            print(f"\n{f.note}\n{report.grade_text(graded, None)}", flush=True)
             grades.append((graded, f))
     results = results_json(grades, notes, time.monotonic() - started)
     out = root / "results" / "results.json"

@@ -8,7 +8,9 @@ bytes) are not graded again, and an interrupted run stops without recording a ha
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import sqlite3
 import sys
 import traceback
 import unicodedata
@@ -107,9 +109,13 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
               file=sys.stderr)
 
     def record(student: str, grade: Grade) -> None:
-        grades[student, grade.exercise.id] = grade
         if journal:
-            journal.record(student, prints[student, grade.exercise.id], grade)
+            try:
+                journal.record(student, prints[student, grade.exercise.id], grade)
+            except (sqlite3.Error, OSError) as exc:  # a full disk, say: this row is told, the run goes on
+                grade = dataclasses.replace(grade, notes=grade.notes + (
+                    f"not recorded in the journal ({exc}): --resume would grade it again",))
+        grades[student, grade.exercise.id] = grade
 
     with tqdm(total=len(tasks), unit="notebook", disable=not progress) as bar:
         if jobs <= 1 or len(tasks) <= 1:

@@ -50,12 +50,12 @@ def check_text(exercise_id: str, results: list[CaseResult], violations: list[Vio
     return "\n".join(lines)
 
 
-def grade_text(grade: Grade, seed: int) -> str:
+def grade_text(grade: Grade, seed: int | None) -> str:
     """A report on one graded notebook, every test in detail (for the instructor's terminal)."""
     exercise = grade.exercise
     lines = [f"{exercise.id} ({exercise.notebook}, {exercise.title}): "
              f"{points(grade.score)} / {points(grade.max_score)} points, "
-             f"status {grade.status}", f"hidden tests drawn with seed {seed}"]
+             f"status {grade.status}"] + ([f"hidden tests drawn with seed {seed}"] if seed is not None else [])
     if grade.reason:
         lines.append(f"reason: {grade.reason}")
     lines += [f"note: {note}" for note in grade.notes]
@@ -101,7 +101,7 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
     total, possible = sum(g.score for g in grades), sum(g.max_score for g in grades)
     lines = [f"# Feedback for {student}", "",
              f"Total: {points(total)} / {points(possible)} points. "
-             f"The hidden tests drew their inputs from seed {seed}.", ""]
+             "The hidden tests drew their inputs from the instructor's secret seed.", ""]
     for grade in grades:
         exercise = grade.exercise
         lines += [f"## {exercise.id}: {points(grade.score)} / {points(grade.max_score)}", "",

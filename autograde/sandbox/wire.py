@@ -231,10 +231,15 @@ _TORCH_NAMES = {"b1": "bool", "f2": "float16", "f4": "float32", "f8": "float64",
                 "i4": "int32", "i8": "int64", "u1": "uint8"}
 
 
+# The keys of each kind of encoded result; anything else is refused.
+_RESULT_KEYS = {frozenset({"tensor", "dtype", "device"}), frozenset({"other"}), frozenset({"value"}),
+                frozenset({"dict"}), frozenset({"list"}), frozenset({"tuple"})}
+
+
 def decode_result(encoded: Any, folder: Path, budget: _Budget | None = None, depth: int = 0) -> Any:
     """In the trusted process: what the worker says a call returned, checked as it is read."""
     budget = budget or _Budget()
-    if depth > MAX_DEPTH or not isinstance(encoded, dict) or len(encoded) not in (1, 3):
+    if depth > MAX_DEPTH or not isinstance(encoded, dict) or frozenset(encoded) not in _RESULT_KEYS:
         raise WireError("a result is malformed")
     if "tensor" in encoded:
         return _tensor_value(encoded, folder, budget)
