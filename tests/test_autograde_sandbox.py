@@ -261,3 +261,32 @@ def test_the_memory_limit_holds_for_the_whole_process_tree(tmp_path: Path):
     facts = json.loads((work / "facts.json").read_text())
     assert "memory:/autograde-" in facts["cgroup"]
     assert 1 <= facts["held"] <= 3
+
+
+FILL_THE_SCRATCH_FOLDER = """
+import errno, json, os
+written, error = 0, None
+try:
+    for n in range(64):
+        with open(f"fill-{n}", "wb") as file:
+            for _ in range(16):
+                file.write(b"x" * 2**20)
+                written += 2**20
+except OSError as exc:
+    error = errno.errorcode.get(exc.errno)
+os.remove("fill-0")
+json.dump({"written": written, "error": error}, open("facts.json", "w"))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.getuid() != 0, reason="a tmpfs of its own needs root")
+def test_a_submission_cannot_fill_the_graders_disk(tmp_path: Path):
+    """Its scratch folder is a tmpfs of bounded size: writing 1 GiB stops at the bound, with ENOSPC."""
+    limits = sandbox.Limits(wall_seconds=60, scratch_bytes=64 * 2**20)
+    outcome = SandboxedSubmission(registry.get("sdpa"), [(1, FILL_THE_SCRATCH_FOLDER)], limits,
+                                  folder=tmp_path).close()
+    assert outcome.returncode == 0, outcome.output_tail
+    facts = json.loads((tmp_path / "work" / "facts.json").read_text())
+    assert facts["error"] == "ENOSPC" and facts["written"] <= 64 * 2**20
+    assert not list((tmp_path / "work").glob("fill-*"))  # gone with the tmpfs: nothing left on the disk

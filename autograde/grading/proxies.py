@@ -23,7 +23,7 @@ import torch
 from autograde.cases import Exercise, Inputs
 from autograde.grading import reference as solutions
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import wire
+from autograde.sandbox import isolation, wire
 from autograde.sandbox.calls import LearnerCalls, callable_names
 from autograde.sandbox.observe import Failure, failure_from, observe
 from autograde.submission.forbidden import Tripwire, Violation
@@ -169,7 +169,15 @@ class SandboxedSubmission(_Proxy):
         self._scratch = tempfile.TemporaryDirectory(prefix="autograde-") if folder is None else None
         folder = Path(self._scratch.name) if folder is None else folder
         self._work = folder / "work"
-        (self._work / "in").mkdir(parents=True)
+        self._work.mkdir(parents=True)
+        self._mounted = False
+        if os.geteuid() == 0:
+            try:
+                isolation.scratch_tmpfs(str(self._work), limits.scratch_bytes, limits.scratch_files)
+                self._mounted = True
+            except OSError:  # no mounts here (a container without CAP_SYS_ADMIN): the disk, as before
+                pass
+        (self._work / "in").mkdir()
         # Held open: the worker owns `work` and could put a link where `in` was.
         self._inputs = os.open(self._work / "in", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         wire.write_json(self._work / "job.json", {"exercise": exercise.id, "cell_seconds": limits.cell_seconds,
@@ -271,6 +279,14 @@ class SandboxedSubmission(_Proxy):
                 _remove_contents(out)
                 os.close(out)
 
+    def _kept_files(self, limit: int = 2**20) -> dict[str, bytes]:
+        """The regular files at the top of the scratch folder (not links), each up to `limit` bytes."""
+        kept = {}
+        for entry in os.scandir(self._work):
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size <= limit:
+                kept[entry.name] = wire.read_bytes(self._work / entry.name, limit)
+        return kept
+
     def close(self) -> sandbox.ProcessOutcome:
         if self.outcome is None:
             if self._channel is not None and not self.gone:
@@ -283,6 +299,11 @@ class SandboxedSubmission(_Proxy):
                 if resource is not None:
                     resource.close()
             os.close(self._inputs)
+            if self._mounted:
+                kept = self._kept_files() if self._scratch is None else {}
+                isolation.unmount(str(self._work))
+                for name, data in kept.items():  # a folder asked for is kept: its top-level files, on disk
+                    (self._work / name).write_bytes(data)
             if self._scratch is not None:
                 self._scratch.cleanup()
         return self.outcome

@@ -52,6 +52,9 @@ class Limits:
     cell_seconds: float = 60.0  # one cell of the notebook
     case_seconds: float | None = None  # one test, if less than the test's own limit
     cpus: float = 1.0  # the whole tree's share of the CPU, where a cgroup can be made
+    # The scratch folder, as root a tmpfs of its own: a submission cannot fill the grader's disk.
+    scratch_bytes: int = 768 * 2**20
+    scratch_files: int = 4096
 
 
 @dataclass(frozen=True)

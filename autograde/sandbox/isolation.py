@@ -48,6 +48,15 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
 
 
+def unmount(target: str) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
+
+
+def scratch_tmpfs(folder: str, size: int, files: int) -> None:
+    """A tmpfs of `size` bytes and `files` inodes on `folder`, in this (the grader's) mount namespace."""
+    mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={files},mode=0755")
+
+
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     encode = lambda text: None if text is None else text.encode()  # noqa: E731
     _check(_libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
