@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in release.release():
             print(f"wrote {path.relative_to(course.root())}")
         return 0
+    try:  # the references and the release: without them nothing can be graded
+        course.root()
+    except course.CourseNotFound as exc:
+        print(exc, file=sys.stderr)
+        return 2
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if args.path.is_file():
         return grade_one(args.path, choose_seed(args.seed), limits)
