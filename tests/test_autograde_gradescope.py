@@ -153,8 +153,8 @@ def test_zip_holds_the_scripts_the_course_and_the_seed(autograder_zip, tmp_path)
     for folder in ("solutions", "exercises"):
         assert sorted(name for name in modes if name.startswith(f"{folder}/")) == \
             [f"{folder}/{ASSIGNMENT}/{e}.ipynb" for e in sorted(EXERCISE_IDS)]
-    assert {"requirements.txt", "autograde/grading/grade.py", "autograde/tests/test_sdpa.py", "autograde/tests/conftest.py",
-            "autograde/tests/pytest.ini"} <= set(modes)
+    assert {"requirements.txt", "autograde/grading/grade.py", "autograde/tests/test_sdpa.py",
+            "autograde/tests/conftest.py", "autograde/tests/pytest.ini"} <= set(modes)
     assert not [name for name in modes
                 if "__pycache__" in name or name.startswith("autograde/frontends/gradescope_files")]
 
