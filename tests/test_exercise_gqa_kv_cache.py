@@ -76,6 +76,13 @@ WRONG = [
         "gqa", "mha_to_gqa", ('("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")',
                               '("k_proj.weight", "v_proj.weight")'))},
         fs("mha-to-gqa"), hidden_may_fail=fs("mha-to-gqa-random")),  # the hidden layer may have no biases
+    Variant("converts-the-callers-state-dict-in-place", "gqa", {"mha_to_gqa": replaced(
+        "gqa", "mha_to_gqa", ("converted = {name: tensor.clone() for name, tensor in state_dict.items()}",
+                              "converted = state_dict"))},
+        fs("mha-to-gqa"), fs("mha-to-gqa-random")),
+    Variant("cache-bytes-as-float", "gqa", {"kv_cache_bytes": replaced(
+        "gqa", "kv_cache_bytes", ("return 2 * num_layers", "return 2.0 * num_layers"))},
+        fs("kv-cache-bytes"), fs("kv-cache-bytes-random")),
     Variant("cache-bytes-without-factor-2", "gqa", {"kv_cache_bytes": replaced(
         "gqa", "kv_cache_bytes", ("return 2 * num_layers", "return num_layers"))},
         fs("kv-cache-bytes"), fs("kv-cache-bytes-random")),
@@ -217,6 +224,10 @@ FEEDBACK = [
      "`kv_cache_bytes(32, 32, 128, 4096, 1)`: expected 2147483648, got 1073741824"),
     ("head-dim-as-float", "module-structure",
      "`GroupedQueryAttention(16, 4, 2, bias=True).head_dim`: expected an int, 4; got the float 4.0"),
+    ("cache-bytes-as-float", "kv-cache-bytes",
+     "`kv_cache_bytes(32, 32, 128, 4096, 1)`: expected an int, 2147483648; got the float 2147483648.0"),
+    ("converts-the-callers-state-dict-in-place", "mha-to-gqa",
+     "`mha_to_gqa(state_dict, 4, 2) returns a new dict, leaving state_dict unchanged`: expected True, got False"),
 ]
 
 

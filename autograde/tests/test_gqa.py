@@ -109,9 +109,13 @@ def converted(functions, inputs: Inputs) -> dict:
     outputs = {}
     for num_kv_heads in inputs["num_kv_heads"]:
         call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
-        result = functions.mha_to_gqa(dict(state_dict), num_heads, num_kv_heads)
+        given = {name: value.clone() for name, value in state_dict.items()}
+        result = functions.mha_to_gqa(given, num_heads, num_kv_heads)
         if not isinstance(result, Mapping):
             raise ContractError(f"{call} should return a dict; it returned a {type(result).__name__}")
+        # The contract: a new dict, the caller's left as it was (keys, and every tensor's values).
+        outputs[f"{call} returns a new dict, leaving state_dict unchanged"] = result is not given and \
+            given.keys() == state_dict.keys() and all(torch.equal(given[name], state_dict[name]) for name in given)
         outputs[f"{call}.keys()"] = ", ".join(sorted(map(str, result)))
         for name in state_dict:
             outputs[f"{call}[{name!r}]"] = result.get(name)
