@@ -1,4 +1,4 @@
-"""`python -m autograde release | grade | gradescope`: the instructor's commands."""
+"""`python -m autograde release | grade | merge | gradescope`: the instructor's commands."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from autograde import course, registry
 from autograde.frontends import gradescope, release
 from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
-from autograde.grading import batch, grade, journal, report
+from autograde.grading import batch, class_report, grade, journal, merge, provenance, report
 from autograde.sandbox import client as sandbox
 
 
@@ -32,12 +32,35 @@ def grade_one(path: Path, seed: int, limits: sandbox.Limits) -> int:
     return 0
 
 
+def shard_argument(text: str) -> tuple[int, int]:
+    try:
+        return provenance.parse_shard(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None:
+    """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, the class report,
+    and feedback per student in Markdown and HTML: the same for one run and for merged shards."""
+    report.write_csv(out / "grades.csv", rows, seed)
+    report.write_results_csv(out / "results.csv", rows)
+    report.write_gradebooks(out, rows)
+    report.write_atomically(out / "report.html", class_report.class_report_html(rows, seed))
+    feedback = out / "feedback"
+    feedback.mkdir(exist_ok=True)
+    for student in students:
+        grades = [g for s, g in rows if s == student]
+        markdown = report.feedback_markdown(student, grades, seed)
+        report.write_atomically(feedback / f"{student}.md", markdown)
+        report.write_atomically(feedback / f"{student}.html", report.feedback_html(student, markdown))
+
+
 def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: sandbox.Limits,
-               assignments: list[str] | None, resume: bool = False) -> int:
+               assignments: list[str] | None, resume: bool = False, shard: tuple[int, int] = (1, 1)) -> int:
     try:
         record = journal.Journal(out, seed, resume)
     except journal.JournalError as exc:
@@ -45,29 +68,49 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: what is recorded stays recorded
     try:
-        rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record)
+        rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard)
+    except journal.JournalError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"interrupted: {len(record.done())} notebooks are recorded in {out / journal.FILE}; "
               f"grade the rest with --resume", file=sys.stderr)
         return 130
     finally:
         record.close()
-    report.write_csv(out / "grades.csv", rows, record.seed)
-    feedback = out / "feedback"
-    feedback.mkdir(exist_ok=True)
-    students = batch.students_in(submitted)
-    for student in students:
-        grades = [g for s, g in rows if s == student]
-        report.write_atomically(feedback / f"{student}.md", report.feedback_markdown(student, grades, record.seed))
+    students = list(dict.fromkeys(student for student, _ in rows))
+    write_outputs(out, rows, record.seed, students)
     isolation = sorted({g.isolation for _, g in rows if g.isolation})
-    print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}: "
-          f"{out / 'grades.csv'}, {feedback}/")
+    part = "" if shard == (1, 1) else f" (shard {shard[0]}/{shard[1]}; merge the shards with `merge`)"
+    print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}{part}: "
+          f"{out / 'grades.csv'}, {out / 'feedback'}/")
     print(f"isolation: {', '.join(isolation) or 'no notebook ran'}"
           + ("" if isolation in ([], [sandbox.FULL_ISOLATION]) else f" ({sandbox.WEAKER_ISOLATION})"))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def merge_shards(folders: list[Path], out: Path) -> int:
+    try:
+        metadata, rows = merge.merge(folders)
+    except merge.MergeError as exc:
+        print(f"cannot merge: {exc}", file=sys.stderr)
+        return 2
+    seed = int(metadata["seed"])
+    record = journal.Journal(out, seed, resume=False)
+    try:
+        record.adopt(metadata)
+        for student, notebook, row in rows:
+            record.record(student, notebook, row)
+    finally:
+        record.close()
+    students = list(dict.fromkeys(student for student, _, _ in rows))
+    write_outputs(out, [(student, row) for student, _, row in rows], seed, students)
+    print(f"merged {len(folders)} shards: {len(rows)} notebooks of {len(students)} students with seed {seed}: "
+          f"{out / 'grades.csv'}, {out / 'feedback'}/")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograde", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("release", help="regenerate exercises/ from solutions/ with nbgrader")
@@ -84,15 +127,29 @@ def main(argv: list[str] | None = None) -> int:
                          help="grade only this assignment (repeatable; default: those submitted)")
     grading.add_argument("--timeout", type=float, default=sandbox.Limits.wall_seconds,
                          help="wall-clock seconds for one notebook (default: %(default)s)")
+    grading.add_argument("--shard", type=shard_argument, default=(1, 1), metavar="K/N",
+                         help="grade only shard K of N of the students (a stable hash of each name); "
+                              "merge the N output folders with `merge`")
     grading.add_argument("--resume", action="store_true",
                          help="go on with the run recorded in --out: grade only the notebooks not yet "
                               "recorded (or changed since), with the run's seed")
+    merging = commands.add_parser("merge", help="combine the --out folders of the shards of one class")
+    merging.add_argument("shards", type=Path, nargs="+", help="the shards' --out folders")
+    merging.add_argument("--out", type=Path, default=Path("grades"), help="where the merged grades go")
     gradescope.add_arguments(commands.add_parser(
         "gradescope", help="build a Gradescope autograder zip (see autograde/DEPLOYING.md)"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.command == "gradescope":
         return gradescope.run_from_args(args)
+
+    if args.command == "merge":
+        return merge_shards(args.shards, args.out)
 
     if args.command == "release":
         for path in release.release():
@@ -109,5 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.path.is_dir():
         parser.error(f"{args.path} is neither a notebook nor a folder")
     resuming = args.resume and (args.out / journal.FILE).exists()
+    if args.shard != (1, 1) and args.seed is None and not os.environ.get(SEED_VARIABLE) and not resuming:
+        parser.error(f"the shards of a class must draw the same hidden tests: give --seed or set ${SEED_VARIABLE}")
     seed = args.seed if resuming else choose_seed(args.seed)
-    return grade_tree(args.path, args.out, seed, args.jobs, limits, args.assignment, args.resume)
+    return grade_tree(args.path, args.out, seed, args.jobs, limits, args.assignment, args.resume, args.shard)

@@ -12,9 +12,9 @@ import dataclasses
 import multiprocessing
 import sqlite3
 import sys
+import time
 import traceback
-import unicodedata
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -23,24 +23,22 @@ from tqdm import tqdm
 from autograde.cases import Exercise
 from autograde.grading.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
 from autograde.grading.journal import Journal, fingerprint, from_json, to_json
+from autograde.grading.provenance import same_person, shard_of
 from autograde.registry import EXERCISES
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
+from autograde.submission import locate
 
 
 def students_in(submitted: Path) -> list[str]:
     return sorted(p.name for p in submitted.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _same_person(name: str) -> str:
-    return unicodedata.normalize("NFKC", name).casefold().strip()
-
-
 def duplicates(students: list[str]) -> dict[str, list[str]]:
     """Folders whose names differ only in case, Unicode form or spaces: student -> all its folders."""
     groups = defaultdict(list)
     for student in students:
-        groups[_same_person(student)].append(student)
+        groups[same_person(student)].append(student)
     return {student: group for group in groups.values() if len(group) > 1 for student in group}
 
 
@@ -63,6 +61,62 @@ def _link_on_the_way(submitted: Path, student: str, exercise: Exercise) -> str |
     return None
 
 
+class TimeLeft:
+    """How long the rest of a run will take, with each notebook weighed by its exercise's cost.
+
+    Exercises differ several-fold (the flash notebooks against `sdpa`), so the time left is the
+    sum of each remaining notebook's expected time (the mean so far of its exercise, else of
+    every exercise; nothing for a notebook that is missing) shared among the grading processes
+    that still have work, never fewer than one notebook's worth.
+    """
+
+    def __init__(self, jobs: int):
+        self.jobs = max(1, jobs)
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+
+    def done(self, exercise_id: str, seconds: float) -> None:
+        self.seconds[exercise_id].append(seconds)
+
+    def expected(self, exercise_id: str, exists: bool = True) -> float | None:
+        if not exists:
+            return 0.0
+        own = self.seconds.get(exercise_id)
+        every = [t for times in self.seconds.values() for t in times]
+        if own:
+            return sum(own) / len(own)
+        return sum(every) / len(every) if every else None
+
+    def left(self, remaining: list[tuple[str, bool]]) -> float | None:
+        """Seconds left for the (exercise id, notebook exists) still to grade; None before any data."""
+        costs = [self.expected(exercise_id, exists) for exercise_id, exists in remaining]
+        if any(cost is None for cost in costs):
+            return None
+        if not costs:
+            return 0.0
+        return max(sum(costs) / min(self.jobs, len(costs)), max(costs))
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "time left: after the first notebooks"
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"about {minutes} min {seconds} s left" if minutes else f"about {seconds} s left"
+
+
+def located(submitted: Path, student: str, exercise: Exercise) -> tuple[Path, tuple[str, ...]]:
+    """The student's notebook for the exercise: by its name, else the one in the assignment's
+    folder that looks renamed (as Gradescope finds it), with a note; never through a link."""
+    path = submitted / student / exercise.notebook
+    folder = path.parent
+    if path.exists() or path.is_symlink() or not folder.is_dir() or folder.is_symlink() \
+            or (submitted / student).is_symlink():
+        return path, ()
+    notebooks, _ = locate.uploaded_notebooks(folder)
+    named = {Path(e.notebook).name for e in EXERCISES.values()}
+    found = locate.find(exercise, notebooks, {p for p in notebooks if p.name in named}, folder)
+    return (found.path, (found.note,)) if found.path is not None else (path, ())
+
+
 def grade_one(submitted: Path, student: str, exercise: Exercise, seed: int, limits: sandbox.Limits,
               others: list[str] | None) -> Grade:
     """One row; never raises for anything a submission can do."""
@@ -72,8 +126,11 @@ def grade_one(submitted: Path, student: str, exercise: Exercise, seed: int, limi
     link = _link_on_the_way(submitted, student, exercise)
     if link:
         return not_run(exercise, INVALID, link)
+    started = time.monotonic()
     try:
-        return grade_notebook(submitted / student / exercise.notebook, exercise, seed, limits)
+        path, notes = located(submitted, student, exercise)
+        grade = grade_notebook(path, exercise, seed, limits)
+        return dataclasses.replace(grade, notes=notes + grade.notes, seconds=round(time.monotonic() - started, 3))
     except Exception as exc:  # the grader's own fault on this notebook; the others go on
         where = traceback.extract_tb(exc.__traceback__)[-1]
         return not_run(exercise, CRASHED, f"the grader failed on this notebook: {type(exc).__name__}: {exc} "
@@ -88,20 +145,26 @@ def _grade_in_grading_process(submitted: Path, student: str, exercise_id: str, s
 
 def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
               assignments: list[str] | None = None, progress: bool = True,
-              journal: Journal | None = None) -> list[tuple[str, Grade]]:
+              journal: Journal | None = None, shard: tuple[int, int] = (1, 1)) -> list[tuple[str, Grade]]:
     """Every (student, exercise) row, in order; with a journal, recorded as each finishes.
+
+    With `shard=(K, N)`, only the students of shard K of N (`provenance.shard_of`); the
+    exercises are chosen from the whole class, so that every shard grades the same ones.
 
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
     in as many grading processes (trusted: they run the tests, each with its own fork server).
     On KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one) it stops: notebooks being graded
     are not recorded, and the interrupt goes on up.
     """
-    students = students_in(submitted)
-    twins = duplicates(students)
-    chosen = exercises_for(submitted, students, assignments)
+    everyone = students_in(submitted)
+    twins = duplicates(everyone)
+    chosen = exercises_for(submitted, everyone, assignments)
+    students = [s for s in everyone if shard == (1, 1) or shard_of(s, shard[1]) == shard[0]]
+    if journal:
+        journal.describe(shard, [e.id for e in chosen], students)
     recorded = journal.done() if journal else {}
     grades: dict[tuple[str, str], Grade] = journal.grades() if journal else {}
-    prints = {(student, e.id): fingerprint(submitted / student / e.notebook) for student in students for e in chosen}
+    prints = {(student, e.id): fingerprint(located(submitted, student, e)[0]) for student in students for e in chosen}
     tasks = [(student, e) for student in students for e in chosen
              if recorded.get((student, e.id)) != prints[student, e.id]]
     if recorded:
@@ -117,11 +180,26 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                     f"not recorded in the journal ({exc}): --resume would grade it again",))
         grades[student, grade.exercise.id] = grade
 
-    with tqdm(total=len(tasks), unit="notebook", disable=not progress) as bar:
+    exists = {(student, e.id): prints[student, e.id] not in ("missing", "folder") for student, e in tasks}
+    remaining = Counter((e.id, exists[student, e.id]) for student, e in tasks)
+    clock = TimeLeft(jobs)
+
+    def finished(bar, grade: Grade, student: str) -> None:
+        key = (grade.exercise.id, exists[student, grade.exercise.id])
+        remaining[key] -= 1
+        if key[1]:
+            clock.done(grade.exercise.id, grade.seconds)
+        bar.set_postfix_str(_duration(clock.left(list(remaining.elements()))), refresh=False)
+        bar.update()
+
+    with tqdm(total=len(tasks), unit="notebook", disable=not progress,
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {postfix}]") as bar:
+        bar.set_postfix_str(_duration(None), refresh=False)
         if jobs <= 1 or len(tasks) <= 1:
             for student, exercise in tasks:
-                record(student, grade_one(submitted, student, exercise, seed, limits, twins.get(student)))
-                bar.update()
+                grade = grade_one(submitted, student, exercise, seed, limits, twins.get(student))
+                record(student, grade)
+                finished(bar, grade, student)
         else:
             # Each grading process dies with this one (SIGKILL included), and its fork server with it.
             pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
@@ -131,8 +209,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
                                        twins.get(student)): student for student, exercise in tasks}
                 for future in as_completed(futures):
-                    record(futures[future], from_json(future.result()))
-                    bar.update()
+                    grade = from_json(future.result())
+                    record(futures[future], grade)
+                    finished(bar, grade, futures[future])
             except BaseException:
                 for process in list(getattr(pool, "_processes", {}).values()):
                     process.kill()  # its fork server, and what that runs, die with it

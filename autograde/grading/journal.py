@@ -16,6 +16,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from autograde.grading import provenance
 from autograde.grading.compare import CaseResult
 from autograde.grading.grade import Grade
 from autograde.registry import EXERCISES
@@ -48,7 +49,7 @@ def fingerprint(path: Path) -> str:
 
 def to_json(grade: Grade) -> str:
     return json.dumps({"exercise": grade.exercise.id, "status": grade.status, "reason": grade.reason,
-                       "notes": list(grade.notes), "isolation": grade.isolation,
+                       "notes": list(grade.notes), "isolation": grade.isolation, "seconds": grade.seconds,
                        "results": [dataclasses.asdict(result) for result in grade.results]})
 
 
@@ -56,7 +57,26 @@ def from_json(text: str) -> Grade:
     data = json.loads(text)
     results = tuple(CaseResult(**{**r, "problems": tuple(r["problems"])}) for r in data["results"])
     return Grade(EXERCISES[data["exercise"]], data["status"], data["reason"], results, tuple(data["notes"]),
-                 data["isolation"])
+                 data["isolation"], float(data.get("seconds", 0.0)))
+
+
+def read_run(folder: Path) -> tuple[dict[str, str], dict[tuple[str, str], tuple[str, Grade]]]:
+    """A run's metadata, and its rows: (student, exercise) -> (notebook fingerprint, grade).
+
+    Read without changing the run's folder.
+    """
+    path = folder / FILE
+    if not path.is_file():
+        raise JournalError(f"{folder} holds no {FILE}: is it the --out folder of a grading run?")
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        metadata = dict(db.execute("select key, value from run").fetchall())
+        rows = db.execute("select student, exercise, fingerprint, grade from grades").fetchall()
+    except sqlite3.Error as exc:
+        raise JournalError(f"{path} cannot be read: {exc}") from None
+    finally:
+        db.close()
+    return metadata, {(student, exercise): (notebook, from_json(text)) for student, exercise, notebook, text in rows}
 
 
 class Journal:
@@ -83,6 +103,35 @@ class Journal:
             if seed is not None and seed != self.seed:
                 raise JournalError(f"the run in {folder} used seed {self.seed}, not {seed}: "
                                    f"resume it without --seed, or grade into another folder")
+
+    def describe(self, shard: tuple[int, int], exercises: list[str], students: list[str]) -> None:
+        """Record what the run grades and with what, so that shards can be merged and checked.
+
+        A resumed run must be the same shard, graded by the same grader on the same release:
+        otherwise its rows would mix two gradings.
+        """
+        now = {"shard": f"{shard[0]}/{shard[1]}", "release": provenance.release_fingerprint(),
+               "grader": provenance.grader_fingerprint()}
+        before = self.metadata()
+        for key, value in now.items():
+            if key in before and before[key] != value:
+                what = {"shard": "shard", "release": "release (exercises/)",
+                        "grader": "grader or reference solutions"}[key]
+                raise JournalError(f"the run recorded here was graded with another {what} "
+                                   f"({before[key]}, now {value}): grade into another folder")
+        now.update(exercises=json.dumps(exercises), students=json.dumps(students))
+        with self._lock:
+            self._db.executemany("insert or replace into run values (?, ?)", list(now.items()))
+
+    def metadata(self) -> dict[str, str]:
+        """The run's seed, shard, fingerprints, exercises and students, as recorded."""
+        with self._lock:
+            return dict(self._db.execute("select key, value from run").fetchall())
+
+    def adopt(self, metadata: dict[str, str]) -> None:
+        """Take another run's metadata (a merge records what its shards were graded with)."""
+        with self._lock:
+            self._db.executemany("insert or replace into run values (?, ?)", list(metadata.items()))
 
     def done(self) -> dict[tuple[str, str], str]:
         """(student, exercise) -> the fingerprint of the notebook that was graded."""
