@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
 from autograde.frontends import cli
+from autograde.grading import report
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import SEED
 
@@ -14,7 +17,8 @@ pytestmark = pytest.mark.timeout(600)
 def test_grading_a_class_exits_0_and_writes_one_row_per_student_and_exercise(class_grades):
     assert class_grades.returncode == 0, class_grades.stderr
     assert list(class_grades.rows[0]) == ["student", "exercise", "score", "max_score", "status", "reason", "seed",
-                                          "changed_from_release"]
+                                          "changed_from_release", "assignment", "assignment_score",
+                                          "assignment_max_score", "total_score", "total_max_score"]
     pairs = [(r["student"], r["exercise"]) for r in class_grades.rows]
     assert sorted(pairs) == sorted((s, e) for s in CLASS_EXPECTED for e in ("sdpa", "mha"))
     assert {r["max_score"] for r in class_grades.rows} == {"10"}
@@ -39,6 +43,40 @@ def test_reasons_say_what_went_wrong(class_grades):
     assert "uses torch.nn.functional.multi_head_attention_forward" in reason["eve", "mha"]
 
 
+def test_each_row_carries_its_assignments_and_its_students_totals(class_grades):
+    for student, expected in CLASS_EXPECTED.items():
+        total = sum(score for score, _ in expected.values())
+        for exercise in expected:
+            row = class_grades.row(student, exercise)
+            assert row["assignment"] == "attention"
+            assert float(row["assignment_score"]) == float(row["total_score"]) == total
+            assert row["assignment_max_score"] == row["total_max_score"] == "20"
+
+
+def test_one_row_per_test_in_the_long_format_adds_up_to_the_grades(class_grades):
+    results = list(csv.DictReader((class_grades.out / "results.csv").open()))
+    assert list(results[0]) == ["student", "exercise", "test", "points", "max_points", "status"]
+    for row in class_grades.rows:
+        tests = [r for r in results if (r["student"], r["exercise"]) == (row["student"], row["exercise"])]
+        assert tests and sum(float(t["points"]) for t in tests) == pytest.approx(float(row["score"]))
+        assert sum(float(t["max_points"]) for t in tests) == pytest.approx(float(row["max_score"]))
+    statuses = {r["status"] for r in results if (r["student"], r["exercise"]) == ("dan", "mha")}
+    assert statuses == {"not run"}  # a missing notebook's tests did not fail: they never ran
+    assert " | not run |" in (class_grades.out / "feedback" / "dan.md").read_text()
+    assert {r["status"] for r in results if r["student"] == "ada"} == {"passed"}
+
+
+def test_gradebooks_for_canvas_and_moodle_have_a_row_per_student_and_a_column_per_assignment(class_grades):
+    canvas = list(csv.reader((class_grades.out / "canvas.csv").open()))
+    assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "attention (20 points)"]
+    assert canvas[1][0] == "Points Possible" and canvas[1][-1] == "20"
+    moodle = list(csv.DictReader((class_grades.out / "moodle.csv").open()))
+    assert [r["Username"] for r in moodle] == sorted(CLASS_EXPECTED) == [r[3] for r in canvas[2:]]
+    for row, line in zip(moodle, canvas[2:]):
+        expected = sum(score for score, _ in CLASS_EXPECTED[row["Username"]].values())
+        assert float(row["attention"]) == float(line[-1]) == expected
+
+
 def test_feedback_details_visible_tests_and_names_hidden_ones_only(class_grades):
     feedback = (class_grades.out / "feedback" / "cleo.md").read_text()
     assert "## sdpa: 8.5 / 10" in feedback
@@ -49,7 +87,27 @@ def test_feedback_details_visible_tests_and_names_hidden_ones_only(class_grades)
     hidden_details = [line for line in feedback.splitlines() if "causal-mask-random" in line]
     assert hidden_details == ["| causal-mask-random (hidden) | 0 / 0.5 | failed |"]
     feedback = sorted(p.name for p in (class_grades.out / "feedback").iterdir())
-    assert feedback == [f"{s}.md" for s in sorted(CLASS_EXPECTED)]
+    assert feedback == sorted(f"{s}.{kind}" for s in CLASS_EXPECTED for kind in ("md", "html"))
+
+
+def test_feedback_in_html_is_the_markdown_rendered_with_what_submissions_wrote_escaped(class_grades):
+    page = (class_grades.out / "feedback" / "cleo.html").read_text()
+    hidden = next(r["test"] for r in csv.DictReader((class_grades.out / "results.csv").open())
+                  if (r["student"], r["exercise"], r["status"]) == ("cleo", "sdpa", "failed")
+                  and f"| {r['test']} (hidden) |" in (class_grades.out / "feedback" / "cleo.md").read_text())
+    assert "<h2>sdpa: 8.5 / 10</h2>" in page and f"<td>{hidden} (hidden)</td>" in page
+    hostile = report.feedback_html("<b>x</b>", "a problem: <script>alert(1)</script>")
+    assert "<script>" not in hostile and "&lt;script&gt;" in hostile and "<b>x</b>" not in hostile
+
+
+def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_grades):
+    page = (class_grades.out / "report.html").read_text()
+    assert page.count('<img alt="figure" src="data:image/png;base64,') == 2
+    for heading in ("Scores", "Tests most often failed", "Slowest notebooks"):
+        assert f"<h2>{heading}</h2>" in page
+    failed = {r["test"] for r in csv.DictReader((class_grades.out / "results.csv").open()) if r["status"] == "failed"}
+    assert any(f"<td>{test}</td>" in page for test in failed)
+    assert f"seed {SEED}" in page
 
 
 def test_one_notebook_gets_a_report_on_the_terminal(class_grades, capsys):

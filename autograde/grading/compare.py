@@ -10,6 +10,8 @@ import numpy as np
 from autograde.cases import TOLERANCE
 from autograde.sandbox.observe import OtherValue, TensorValue
 
+NOT_RUN = "not run: "
+
 
 @dataclass(frozen=True)
 class CaseResult:
@@ -27,6 +29,11 @@ class CaseResult:
     @property
     def earned(self) -> float:
         return self.points if self.passed else 0.0
+
+    @property
+    def ran(self) -> bool:
+        """False when the test never ran: no notebook, an invalid one, or the worker gone before it."""
+        return not (self.problems and self.problems[0].startswith(NOT_RUN))
 
 
 def describe(value) -> str:

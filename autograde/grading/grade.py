@@ -33,6 +33,7 @@ class Grade:
     results: tuple[CaseResult, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)  # what else the learner should know
     isolation: str = ""  # how the submission's process was isolated (sandbox.ProcessOutcome)
+    seconds: float = 0.0  # how long grading it took (for the class report; not part of the grade)
 
     @property
     def counted(self) -> bool:
@@ -119,10 +120,10 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
     if not path.exists():
         return not_run(exercise, MISSING, f"no {exercise.notebook} was submitted{_renamed(path, exercise)}")
     try:
-        submitted = notebook.load(path)
+        submitted, read_notes = notebook.load_with_notes(path)
     except notebook.NotebookError as exc:
         return not_run(exercise, INVALID, str(exc))
-    changed = tuple(f"{integrity.CHANGED}{finding}"
+    changed = read_notes + tuple(f"{integrity.CHANGED}{finding}"
                     for finding in integrity.findings(submitted, integrity.released_notebook(exercise)))
     cells = extract.code_cells(submitted)
     violations, elsewhere = forbidden.scan_graded([(cell.label, cell.source) for cell in cells], exercise)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import os
 from pathlib import Path
@@ -15,7 +16,9 @@ from autograde.submission.integrity import CHANGED
 if TYPE_CHECKING:
     from autograde.grading.grade import Grade
 
-CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release")
+CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release",
+               "assignment", "assignment_score", "assignment_max_score", "total_score", "total_max_score")
+RESULT_COLUMNS = ("student", "exercise", "test", "points", "max_points", "status")
 
 
 def points(value: float) -> str:
@@ -79,21 +82,97 @@ def spreadsheet_text(text: str) -> str:
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
-def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
-    """One row per (student, exercise)."""
+def _csv_text(header, rows) -> str:
     text = io.StringIO()
     writer = csv.writer(text)
-    writer.writerow(CSV_COLUMNS)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return text.getvalue()
+
+
+def _totals(rows: list[tuple[str, Grade]]) -> tuple[dict, dict]:
+    """(student, assignment) -> [score, max], and student -> [score, max]."""
+    by_assignment: dict[tuple[str, str], list[float]] = {}
+    by_student: dict[str, list[float]] = {}
+    for student, grade in rows:
+        for key, table in (((student, grade.exercise.assignment), by_assignment), (student, by_student)):
+            total = table.setdefault(key, [0.0, 0.0])
+            total[0] += grade.score
+            total[1] += grade.max_score
+    return by_assignment, by_student
+
+
+def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
+    """One row per (student, exercise), with the totals of its assignment and of the student."""
+    by_assignment, by_student = _totals(rows)
+    lines = []
     for student, grade in rows:
         changed = [note.removeprefix(CHANGED) for note in grade.notes if note.startswith(CHANGED)]
-        writer.writerow([spreadsheet_text(student), grade.exercise.id, points(grade.score), points(grade.max_score),
-                         grade.status, spreadsheet_text(grade.reason), seed, spreadsheet_text("; ".join(changed))])
-    write_atomically(path, text.getvalue())
+        assignment = grade.exercise.assignment
+        lines.append([spreadsheet_text(student), grade.exercise.id, points(grade.score), points(grade.max_score),
+                      grade.status, spreadsheet_text(grade.reason), seed, spreadsheet_text("; ".join(changed)),
+                      assignment, *map(points, by_assignment[student, assignment]),
+                      *map(points, by_student[student])])
+    write_atomically(path, _csv_text(CSV_COLUMNS, lines))
+
+
+def result_status(grade: Grade, result: CaseResult) -> str:
+    if not result.ran:
+        return "not run"
+    if not result.passed:
+        return "failed"
+    return "passed" if grade.counted else "passed, not counted"
+
+
+def write_results_csv(path: Path, rows: list[tuple[str, Grade]]) -> None:
+    """One row per (student, exercise, test): the long format, for a spreadsheet's pivot table."""
+    lines = [[spreadsheet_text(student), grade.exercise.id, result.name,
+              points(result.earned if grade.counted else 0), points(result.points), result_status(grade, result)]
+             for student, grade in rows for result in grade.results]
+    write_atomically(path, _csv_text(RESULT_COLUMNS, lines))
+
+
+def write_gradebooks(folder: Path, rows: list[tuple[str, Grade]]) -> None:
+    """One row per student and a column per assignment, as Canvas and Moodle import them.
+
+    Canvas matches rows on "SIS Login ID" here (the submission folder's name, nbgrader's
+    student id) and reads the maximum of each column from its "Points Possible" row; Moodle's
+    "Import grades from CSV" maps "Username" to its users and each assignment column to a
+    grade item. Both compute the course total themselves.
+    """
+    by_assignment, _ = _totals(rows)
+    students = list(dict.fromkeys(student for student, _ in rows))
+    assignments = list(dict.fromkeys(grade.exercise.assignment for _, grade in rows))
+    maxima = {a: max((by_assignment[s, a][1] for s in students if (s, a) in by_assignment), default=0)
+              for a in assignments}
+
+    def scores(student: str) -> list[str]:
+        return [points(by_assignment[student, a][0]) if (student, a) in by_assignment else "" for a in assignments]
+
+    canvas = [["Points Possible", "", "", "", "", *(points(maxima[a]) for a in assignments)]]
+    canvas += [[spreadsheet_text(s), "", "", spreadsheet_text(s), "", *scores(s)] for s in students]
+    write_atomically(folder / "canvas.csv", _csv_text(
+        ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", *(f"{a} ({points(maxima[a])} points)"
+                                                                        for a in assignments)], canvas))
+    write_atomically(folder / "moodle.csv", _csv_text(
+        ["Username", *assignments], [[spreadsheet_text(s), *scores(s)] for s in students]))
 
 
 def _markdown_problems(result: CaseResult) -> list[str]:
     return [f"**{result.name}**: {result.about}", "", f"- inputs: {result.inputs}",
             *(f"- {problem}" for problem in result.problems), ""]
+
+
+def feedback_html(student: str, markdown: str) -> str:
+    """The feedback page as HTML: the Markdown rendered with raw HTML escaped (submissions write
+    some of its text)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            f"<title>Feedback for {html.escape(student)}</title><style>body{{font-family:sans-serif;max-width:60em;"
+            "margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
+            f"</style></head><body>\n{body}</body></html>\n")
 
 
 def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
@@ -112,7 +191,7 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
         lines += ["| Test | Points | Result |", "|---|---|---|"]
         for result in grade.results:
             name = result.name if result.visible else f"{result.name} (hidden)"
-            outcome = ("passed" if grade.counted else "passed, not counted") if result.passed else "failed"
+            outcome = result_status(grade, result)
             earned = result.earned if grade.counted else 0
             lines.append(f"| {name} | {points(earned)} / {points(result.points)} | {outcome} |")
         lines.append("")
