@@ -20,6 +20,7 @@ import tomllib
 from autograde.frontends import gradescope
 from autograde.grading.session import catalogue
 from autograde.registry import EXERCISES
+from autograde.submission import locate
 from tests.fixtures.notebooks import ROOT, SEED, learner_notebook, write
 
 pytestmark = pytest.mark.timeout(600)
@@ -215,7 +216,7 @@ def test_build_without_a_seed_draws_and_prints_one(tmp_path, monkeypatch, capsys
     ("flash_forward", "flash_backward", False), ("sdpaX", "sdpa", False), ("notes", "mha", False),
 ])
 def test_renamed_notebooks_are_recognised_by_the_exercise_name(name, exercise_id, expected):
-    assert gradescope.looks_like(name, exercise_id) is expected
+    assert locate.looks_like(name, exercise_id) is expected
 
 
 def test_notebooks_are_found_by_name_at_any_depth_and_never_guessed_between_two(tmp_path):
@@ -224,10 +225,18 @@ def test_notebooks_are_found_by_name_at_any_depth_and_never_guessed_between_two(
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("{}")
     exercises = [e for e in EXERCISES.values() if e.assignment == ASSIGNMENT]
-    (sdpa, mha), notes = gradescope.find_all(exercises, tmp_path)
-    assert sdpa == gradescope.Found(tmp_path / "attention" / "sdpa.ipynb",
+    (sdpa, mha), notes = locate.find_all(exercises, tmp_path)
+    assert sdpa == locate.Found(tmp_path / "attention" / "sdpa.ipynb",
                                     "graded attention/sdpa.ipynb; not graded, by the same name: sdpa.ipynb")
-    assert mha == gradescope.Found(None, "no mha.ipynb was uploaded, and several notebooks look like it "
+    assert mha == locate.Found(None, "no mha.ipynb was uploaded, and several notebooks look like it "
                                          "(mha (2).ipynb, mha_v1.ipynb): upload one, named mha.ipynb")
     assert notes == [f"{name} was not graded: this assignment grades sdpa.ipynb and mha.ipynb"
                      for name in ("gqa.ipynb", "mha (2).ipynb", "mha_v1.ipynb")]
+
+
+def test_the_private_copy_keeps_a_notebook_over_the_limit_whole_so_its_real_size_is_reported(tmp_path):
+    uploaded = tmp_path / "sdpa.ipynb"
+    uploaded.write_bytes(b" " * (22 * 2**20))
+    (tmp_path / "copies").mkdir()
+    copy = gradescope.private_copy(uploaded, tmp_path / "copies")
+    assert copy.stat().st_size == uploaded.stat().st_size

@@ -279,3 +279,48 @@ def test_each_exercise_is_worth_10_points_over_visible_and_hidden_tests(exercise
     assert {case.visible for case in catalogue(exercise)} == {True, False}
     assert all(set(case.uses) <= set(exercise.required) for case in catalogue(exercise))
     assert all(forbidden.resolve(name) for name in exercise.not_allowed)
+
+
+def test_the_time_left_weighs_each_notebook_by_its_exercise_and_skips_missing_ones():
+    from autograde.grading.batch import TimeLeft
+
+    clock = TimeLeft(jobs=2)
+    assert clock.left([("flash_forward", True)]) is None  # nothing measured yet: no guess
+    clock.done("sdpa", 2.0)
+    assert clock.left([("flash_forward", True)]) == 2.0  # an unmeasured exercise: the mean of all
+    clock.done("flash_forward", 10.0)
+    # Two processes share 10 + 10 + 2 s; a missing notebook costs nothing.
+    assert clock.left([("flash_forward", True), ("flash_forward", True), ("sdpa", True), ("sdpa", False)]) == 11.0
+    # The last notebook is never "0 s left": one process still needs all of its time.
+    assert clock.left([("flash_forward", True)]) == 10.0
+    assert clock.left([]) == 0.0
+
+
+def test_a_renamed_notebook_is_found_the_same_way_by_the_class_grader_and_by_gradescope(tmp_path):
+    from autograde.grading import batch
+    from autograde.submission import locate
+
+    folder = tmp_path / "ada" / "gqa"
+    folder.mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(), folder / "GQA.ipynb")  # upper case: a case-blind match
+    gqa, kv_cache = exercises.get("gqa"), exercises.get("kv_cache")
+    path, notes = batch.located(tmp_path, "ada", gqa)
+    assert path == folder / "GQA.ipynb"
+    assert notes == ("graded GQA.ipynb as gqa.ipynb: it looks renamed; please name it gqa.ipynb",)
+    (found, _), _ = locate.find_all([gqa, kv_cache], folder)
+    assert (found.path, (found.note,)) == (path, notes)
+    assert batch.located(tmp_path, "ada", kv_cache) == (folder / "kv_cache.ipynb", ())  # nothing looks like it
+
+
+def test_a_notebook_over_the_size_limit_is_read_without_its_outputs_and_says_so(tmp_path):
+    source = nbformat.v4.new_code_cell("x = 1")
+    source.outputs = [nbformat.v4.new_output("stream", text="y" * (notebook.MAX_BYTES + 2**20))]
+    path = tmp_path / "sdpa.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[source]), path)
+    size = path.stat().st_size / 2**20
+    loaded, notes = notebook.load_with_notes(path)
+    assert loaded.cells[0].outputs == [] and loaded.cells[0].source == "x = 1"
+    assert len(notes) == 1 and f"is {size:.1f} MiB" in notes[0] and "graded without its outputs" in notes[0]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("#" * (notebook.MAX_BYTES + 1))]), path)
+    with pytest.raises(notebook.NotebookError, match="without its outputs: more than the 20.0 MiB allowed"):
+        notebook.load_with_notes(path)

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import nbformat
 
-MAX_BYTES = 20 * 2**20
+MAX_BYTES = 20 * 2**20  # of a notebook's cells without their outputs
+# Larger files are not even read. Between the two, the outputs are dropped before grading, as
+# nbgrader's autograde clears them before it runs a notebook.
+READ_BYTES = 256 * 2**20
 CELL_TYPES = ("code", "markdown", "raw")
 
 
@@ -23,15 +26,25 @@ def _source_text(source) -> str | None:
     return None
 
 
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
 def load(path: Path) -> nbformat.NotebookNode:
+    return load_with_notes(path)[0]
+
+
+def load_with_notes(path: Path) -> tuple[nbformat.NotebookNode, tuple[str, ...]]:
+    """The notebook, and what the learner should know about how it was read."""
     if not path.is_file():
         raise NotebookError(f"no file {path.name}")
     size = path.stat().st_size
     if size == 0:
         raise NotebookError(f"{path.name} is empty (0 bytes)")
-    if size > MAX_BYTES:
-        raise NotebookError(f"{path.name} is {size / 2**20:.0f} MiB, more than the {MAX_BYTES // 2**20} MiB allowed "
-                            f"(clear its outputs: Edit > Clear Outputs of All Cells, then save)")
+    clear_outputs = "(clear its outputs: Edit > Clear Outputs of All Cells, then save)"
+    if size > READ_BYTES:
+        raise NotebookError(f"{path.name} is {_mib(size)}, more than the {_mib(READ_BYTES)} the grader reads "
+                            f"{clear_outputs}")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
@@ -58,4 +71,15 @@ def load(path: Path) -> nbformat.NotebookNode:
         cell["source"] = source
         if not isinstance(cell.get("metadata", {}), dict):
             raise NotebookError(f"{path.name}: cell {number} has malformed metadata")
-    return nbformat.from_dict(data)
+    notes = ()
+    if size > MAX_BYTES:
+        for cell in data["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"], cell["execution_count"] = [], None
+        stripped = len(json.dumps(data).encode("utf-8"))
+        if stripped > MAX_BYTES:
+            raise NotebookError(f"{path.name} is {_mib(size)}, and {_mib(stripped)} without its outputs: more than "
+                                f"the {_mib(MAX_BYTES)} allowed")
+        notes = (f"{path.name} is {_mib(size)}, more than the {_mib(MAX_BYTES)} allowed: it was graded without its "
+                 f"outputs ({_mib(stripped)}); clear them before you submit {clear_outputs}",)
+    return nbformat.from_dict(data), notes
