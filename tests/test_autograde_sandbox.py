@@ -16,6 +16,7 @@ from autograde import registry
 from autograde.grading import batch, grade
 from autograde.grading.proxies import SandboxedSubmission
 from autograde.sandbox import client as sandbox
+from autograde.sandbox import syscall_filter
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
@@ -192,6 +193,7 @@ import sys
 from pathlib import Path
 from autograde import registry
 from autograde.sandbox import client as sandbox
+from autograde.sandbox import syscall_filter
 from autograde.grading.proxies import SandboxedSubmission
 limits = sandbox.Limits(wall_seconds=30, extra_processes=16)
 outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=Path(sys.argv[1])).close()
@@ -210,23 +212,40 @@ def processes_named(name: str) -> list[int]:
     return found
 
 
+REFUSE_NAMESPACES = """
+import os, sys
+from autograde.sandbox import isolation, syscall_filter
+isolation.no_new_privileges()
+syscall_filter.install()  # unshare, setns, mount and clone(CLONE_NEW*) refused, as Docker's default profile does
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
-def test_where_namespaces_are_refused_each_submission_still_gets_its_own_uid_and_leaves_nothing(tmp_path: Path):
-    """As in a container without CAP_SYS_ADMIN (Gradescope's, Docker's default)."""
+@pytest.mark.parametrize("user_namespaces", [True, False], ids=["user-namespaces", "no-user-namespaces"])
+def test_as_root_without_cap_sys_admin_each_submission_still_gets_its_own_uid_and_leaves_nothing(
+        tmp_path: Path, user_namespaces: bool):
+    """As in a container without CAP_SYS_ADMIN (Gradescope's, Docker's default): with user
+    namespaces, the same namespaces inside one; where a seccomp profile refuses those too, a session."""
+    if not user_namespaces and not syscall_filter.AVAILABLE:
+        pytest.skip("without libseccomp, no way here to refuse user namespaces")
     marker = f"agdaemon{os.getpid() % 10**6}"
     work = tmp_path / "work"
     cell = f"MARKER = {marker!r}\n" + LEAVE_A_DAEMON
+    refuse = [] if user_namespaces else ["-c", REFUSE_NAMESPACES]
     try:
-        process = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", sys.executable, "-c", WITHOUT_NAMESPACES,
-                                  str(tmp_path), cell], cwd=sandbox.ROOT, capture_output=True, text=True, timeout=100)
+        process = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", sys.executable, *refuse,
+                                  "-c", WITHOUT_NAMESPACES, str(tmp_path), cell],
+                                 cwd=sandbox.ROOT, capture_output=True, text=True, timeout=100)
         returncode, isolation, note = process.stdout.strip().splitlines()[-1].split("|")
         survivors = processes_named(marker)
     finally:
         for pid in processes_named(marker):
             os.kill(pid, signal.SIGKILL)
-    assert (returncode, isolation) == ("0", "session+uid+cgroup"), process.stderr[-2000:]
-    assert "no namespaces" in note and "Operation not permitted" in note
+    expected = "userns+uid+cgroup+seccomp" if user_namespaces else "session+uid+cgroup+seccomp"
+    assert (returncode, isolation) == ("0", expected), process.stderr[-2000:]
+    assert "root, but no namespaces" in note and "Operation not permitted" in note
     facts = json.loads((work / "facts.json").read_text())
     assert facts["uid"] >= sandbox.FIRST_UID and facts["processes"] == 16
     assert (work / "daemon-started").exists() and survivors == []
