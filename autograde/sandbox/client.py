@@ -7,8 +7,10 @@ address space, file size, open files, processes), a wall-clock limit, and at the
 whole tree killed. Running as root, each tree also gets new PID, mount, network and IPC
 namespaces, a private read-only root filesystem, its own unprivileged uid (so that the
 process-count limit applies and nothing outside its scratch folder can be read or changed)
-and its own cgroup (memory, processes and CPU for the whole tree).
-`ProcessOutcome.isolation` says which of these was in force.
+and its own cgroup (memory, processes and CPU for the whole tree). Without root, or without
+CAP_SYS_ADMIN, the same namespaces and private root are made inside a user namespace of the
+tree's own, where the kernel allows it. `ProcessOutcome.isolation` says which of these was in
+force; `available_isolation` says beforehand which will be.
 
 A grading job's folder holds `work/` (the job and, after the run, the results: everything in
 it is untrusted) and `root/` (where the private root filesystem is mounted).
