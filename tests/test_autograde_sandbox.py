@@ -309,3 +309,51 @@ def test_a_submission_cannot_fill_the_graders_disk(tmp_path: Path):
     facts = json.loads((tmp_path / "work" / "facts.json").read_text())
     assert facts["error"] == "ENOSPC" and facts["written"] <= 64 * 2**20
     assert not list((tmp_path / "work").glob("fill-*"))  # gone with the tmpfs: nothing left on the disk
+
+
+TRY_REFUSED_CALLS = """
+import ctypes, json, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+NUMBERS = {"x86_64": {"keyctl": 250, "ptrace": 101, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+                      "clone": 56, "setns": 308},
+           "aarch64": {"keyctl": 219, "ptrace": 117, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
+                       "clone": 220, "setns": 268}}[os.uname().machine]
+CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
+
+def errno_of(result):
+    return "allowed" if result >= 0 else os.strerror(ctypes.get_errno())
+
+found = {name: errno_of(libc.syscall(NUMBERS[name], 0, 0, 0, 0, 0))
+         for name in ("keyctl", "ptrace", "bpf", "perf_event_open", "userfaultfd")}
+found["setns"] = errno_of(libc.syscall(NUMBERS["setns"], 0, CLONE_NEWNET))
+found["unshare"] = errno_of(libc.unshare(CLONE_NEWUSER))
+found["mount"] = errno_of(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+found["umount"] = errno_of(libc.umount2(b"/proc", 2))
+child = libc.syscall(NUMBERS["clone"], CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)
+if child == 0:
+    os._exit(0)
+found["clone-new-user"] = errno_of(child)
+thread = threading.Thread(target=lambda: found.update(thread="ran"))
+thread.start()
+thread.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+found["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+json.dump(found, open("facts.json", "w"))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not syscall_filter.AVAILABLE, reason="libseccomp is not installed")
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers of x86_64 and aarch64")
+def test_the_syscall_filter_refuses_what_a_submission_never_needs(tmp_path: Path):
+    """Keyrings, ptrace, bpf, perf events, userfaultfd, mounts and new namespaces answer EPERM;
+    threads and fork, which torch and the learner's code use, still work."""
+    outcome = SandboxedSubmission(registry.get("sdpa"), [(1, TRY_REFUSED_CALLS)], LIMITS, folder=tmp_path).close()
+    assert outcome.returncode == 0 and outcome.isolation.endswith("+seccomp"), outcome.output_tail
+    facts = json.loads((tmp_path / "work" / "facts.json").read_text())
+    refused = {name: "Operation not permitted" for name in ("keyctl", "ptrace", "bpf", "perf_event_open",
+                                                            "userfaultfd", "setns", "unshare", "mount", "umount",
+                                                            "clone-new-user")}
+    assert facts == {**refused, "thread": "ran", "fork": 7}
