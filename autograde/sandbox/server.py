@@ -15,7 +15,11 @@ grader's worker, and nothing of any submission. Each request (a JSON line on std
   capability instead of changing uid;
 - `session`, where neither works: the submission runs in a new session with the same rlimits,
   and the supervisor kills its process group and, when it had its own uid or cgroup, every
-  process of those.
+  process of those. This isolates nothing: `client.available_isolation` lets the grader say so
+  before it starts.
+
+In every mode the supervisor is a child subreaper: whatever the tree orphans becomes its child,
+and it kills and reaps every one before it reports.
 
 The submission's process then sets `no_new_privs` and installs the syscall filter
 (`syscall_filter`), when libseccomp is there. The supervisor waits for it against the wall
@@ -87,7 +91,7 @@ def _run_submission(request: dict, mode: str) -> None:
         os.dup2(output, 2)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         processes = request["limits"]["extra_processes"]
-        if uid is None:  # the limit counts every process of the user
+        if uid is None:  # the limit counts every process of the uid (in its user namespace, if it has one)
             processes += sum(_user_processes(os.getuid()).values())
         _limits(request["limits"], processes)
         if mode == "userns":  # as root in the namespace, or its owner: no capability kept
