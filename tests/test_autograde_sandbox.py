@@ -16,6 +16,7 @@ from autograde import registry
 from autograde.grading import batch, grade
 from autograde.grading.proxies import SandboxedSubmission
 from autograde.sandbox import client as sandbox
+from autograde.sandbox import syscall_filter
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
@@ -192,6 +193,7 @@ import sys
 from pathlib import Path
 from autograde import registry
 from autograde.sandbox import client as sandbox
+from autograde.sandbox import syscall_filter
 from autograde.grading.proxies import SandboxedSubmission
 limits = sandbox.Limits(wall_seconds=30, extra_processes=16)
 outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=Path(sys.argv[1])).close()
@@ -210,23 +212,40 @@ def processes_named(name: str) -> list[int]:
     return found
 
 
+REFUSE_NAMESPACES = """
+import os, sys
+from autograde.sandbox import isolation, syscall_filter
+isolation.no_new_privileges()
+syscall_filter.install()  # unshare, setns, mount and clone(CLONE_NEW*) refused, as Docker's default profile does
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
-def test_where_namespaces_are_refused_each_submission_still_gets_its_own_uid_and_leaves_nothing(tmp_path: Path):
-    """As in a container without CAP_SYS_ADMIN (Gradescope's, Docker's default)."""
+@pytest.mark.parametrize("user_namespaces", [True, False], ids=["user-namespaces", "no-user-namespaces"])
+def test_as_root_without_cap_sys_admin_each_submission_still_gets_its_own_uid_and_leaves_nothing(
+        tmp_path: Path, user_namespaces: bool):
+    """As in a container without CAP_SYS_ADMIN (Gradescope's, Docker's default): with user
+    namespaces, the same namespaces inside one; where a seccomp profile refuses those too, a session."""
+    if not user_namespaces and not syscall_filter.AVAILABLE:
+        pytest.skip("without libseccomp, no way here to refuse user namespaces")
     marker = f"agdaemon{os.getpid() % 10**6}"
     work = tmp_path / "work"
     cell = f"MARKER = {marker!r}\n" + LEAVE_A_DAEMON
+    refuse = [] if user_namespaces else ["-c", REFUSE_NAMESPACES]
     try:
-        process = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", sys.executable, "-c", WITHOUT_NAMESPACES,
-                                  str(tmp_path), cell], cwd=sandbox.ROOT, capture_output=True, text=True, timeout=100)
+        process = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", sys.executable, *refuse,
+                                  "-c", WITHOUT_NAMESPACES, str(tmp_path), cell],
+                                 cwd=sandbox.ROOT, capture_output=True, text=True, timeout=100)
         returncode, isolation, note = process.stdout.strip().splitlines()[-1].split("|")
         survivors = processes_named(marker)
     finally:
         for pid in processes_named(marker):
             os.kill(pid, signal.SIGKILL)
-    assert (returncode, isolation) == ("0", "session+uid+cgroup"), process.stderr[-2000:]
-    assert "no namespaces" in note and "Operation not permitted" in note
+    expected = "userns+uid+cgroup+seccomp" if user_namespaces else "session+uid+cgroup+seccomp"
+    assert (returncode, isolation) == ("0", expected), process.stderr[-2000:]
+    assert "root, but no namespaces" in note and "Operation not permitted" in note
     facts = json.loads((work / "facts.json").read_text())
     assert facts["uid"] >= sandbox.FIRST_UID and facts["processes"] == 16
     assert (work / "daemon-started").exists() and survivors == []
@@ -290,3 +309,51 @@ def test_a_submission_cannot_fill_the_graders_disk(tmp_path: Path):
     facts = json.loads((tmp_path / "work" / "facts.json").read_text())
     assert facts["error"] == "ENOSPC" and facts["written"] <= 64 * 2**20
     assert not list((tmp_path / "work").glob("fill-*"))  # gone with the tmpfs: nothing left on the disk
+
+
+TRY_REFUSED_CALLS = """
+import ctypes, json, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+NUMBERS = {"x86_64": {"keyctl": 250, "ptrace": 101, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+                      "clone": 56, "setns": 308},
+           "aarch64": {"keyctl": 219, "ptrace": 117, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
+                       "clone": 220, "setns": 268}}[os.uname().machine]
+CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
+
+def errno_of(result):
+    return "allowed" if result >= 0 else os.strerror(ctypes.get_errno())
+
+found = {name: errno_of(libc.syscall(NUMBERS[name], 0, 0, 0, 0, 0))
+         for name in ("keyctl", "ptrace", "bpf", "perf_event_open", "userfaultfd")}
+found["setns"] = errno_of(libc.syscall(NUMBERS["setns"], 0, CLONE_NEWNET))
+found["unshare"] = errno_of(libc.unshare(CLONE_NEWUSER))
+found["mount"] = errno_of(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+found["umount"] = errno_of(libc.umount2(b"/proc", 2))
+child = libc.syscall(NUMBERS["clone"], CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)
+if child == 0:
+    os._exit(0)
+found["clone-new-user"] = errno_of(child)
+thread = threading.Thread(target=lambda: found.update(thread="ran"))
+thread.start()
+thread.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+found["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+json.dump(found, open("facts.json", "w"))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not syscall_filter.AVAILABLE, reason="libseccomp is not installed")
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers of x86_64 and aarch64")
+def test_the_syscall_filter_refuses_what_a_submission_never_needs(tmp_path: Path):
+    """Keyrings, ptrace, bpf, perf events, userfaultfd, mounts and new namespaces answer EPERM;
+    threads and fork, which torch and the learner's code use, still work."""
+    outcome = SandboxedSubmission(registry.get("sdpa"), [(1, TRY_REFUSED_CALLS)], LIMITS, folder=tmp_path).close()
+    assert outcome.returncode == 0 and outcome.isolation.endswith("+seccomp"), outcome.output_tail
+    facts = json.loads((tmp_path / "work" / "facts.json").read_text())
+    refused = {name: "Operation not permitted" for name in ("keyctl", "ptrace", "bpf", "perf_event_open",
+                                                            "userfaultfd", "setns", "unshare", "mount", "umount",
+                                                            "clone-new-user")}
+    assert facts == {**refused, "thread": "ran", "fork": 7}

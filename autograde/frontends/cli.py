@@ -84,8 +84,9 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
     part = "" if shard == (1, 1) else f" (shard {shard[0]}/{shard[1]}; merge the shards with `merge`)"
     print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}{part}: "
           f"{out / 'grades.csv'}, {out / 'feedback'}/")
+    unisolated = any(kind.startswith("session") for kind in isolation)
     print(f"isolation: {', '.join(isolation) or 'no notebook ran'}"
-          + ("" if isolation in ([], [sandbox.FULL_ISOLATION]) else f" ({sandbox.WEAKER_ISOLATION})"))
+          + (f" ({sandbox.WEAKER_ISOLATION})" if unisolated else ""))
     return 0
 
 
@@ -108,6 +109,20 @@ def merge_shards(folders: list[Path], out: Path) -> int:
     print(f"merged {len(folders)} shards: {len(rows)} notebooks of {len(students)} students with seed {seed}: "
           f"{out / 'grades.csv'}, {out / 'feedback'}/")
     return 0
+
+
+def isolation_allowed(allow_unisolated: bool) -> bool:
+    """Whether to grade here: the submissions can be isolated, or the instructor accepted that they
+    cannot. Said once per run, loudly, when they cannot."""
+    if sandbox.available_isolation() != "session":
+        return True
+    print(f"\n*** {sandbox.UNISOLATED}. ***", file=sys.stderr)
+    if allow_unisolated:
+        print("*** Grading anyway (--allow-unisolated): every grade's notes say so. ***\n", file=sys.stderr)
+        return True
+    print("*** Not grading. Run the grader as root, allow user namespaces, or pass --allow-unisolated "
+          "to grade trusted notebooks without isolation. ***\n", file=sys.stderr)
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     grading.add_argument("--resume", action="store_true",
                          help="go on with the run recorded in --out: grade only the notebooks not yet "
                               "recorded (or changed since), with the run's seed")
+    grading.add_argument("--allow-unisolated", action="store_true",
+                         help="grade even where submissions cannot be isolated (no namespaces, no user "
+                              "namespaces): they can then read what you can and reach the network")
     merging = commands.add_parser("merge", help="combine the --out folders of the shards of one class")
     merging.add_argument("shards", type=Path, nargs="+", help="the shards' --out folders")
     merging.add_argument("--out", type=Path, default=Path("grades"), help="where the merged grades go")
@@ -161,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     limits = sandbox.Limits(wall_seconds=args.timeout)
+    if not args.path.exists():
+        parser.error(f"{args.path} is neither a notebook nor a folder")
+    if not isolation_allowed(args.allow_unisolated):
+        return 2
     if args.path.is_file():
         return grade_one(args.path, choose_seed(args.seed), limits)
     if not args.path.is_dir():

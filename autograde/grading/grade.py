@@ -21,6 +21,7 @@ from autograde.registry import EXERCISES
 from autograde.sandbox import client as sandbox
 from autograde.submission import extract, forbidden, integrity, notebook
 
+UNISOLATED_NOTE = "graded without isolation: the notebook ran without namespaces"
 GRADED, INCOMPLETE, MISSING, INVALID, NOT_ALLOWED, CRASHED = (
     "graded", "incomplete", "missing", "invalid", "not allowed", "crashed")
 
@@ -163,4 +164,6 @@ def _grade(session: Session, limits: sandbox.Limits, code: int) -> Grade:
         status, reason = INCOMPLETE, f"the grading process {ended} {submission.gone}"
     else:
         status, reason = GRADED, summary(list(results), tuple(notes))
+    if submission.outcome.isolation.startswith("session"):  # last: the reason stays about the notebook
+        notes.append(f"{UNISOLATED_NOTE} ({submission.outcome.note})")
     return Grade(exercise, status, reason, results, tuple(notes), submission.outcome.isolation)

@@ -7,8 +7,10 @@ address space, file size, open files, processes), a wall-clock limit, and at the
 whole tree killed. Running as root, each tree also gets new PID, mount, network and IPC
 namespaces, a private read-only root filesystem, its own unprivileged uid (so that the
 process-count limit applies and nothing outside its scratch folder can be read or changed)
-and its own cgroup (memory, processes and CPU for the whole tree).
-`ProcessOutcome.isolation` says which of these was in force.
+and its own cgroup (memory, processes and CPU for the whole tree). Without root, or without
+CAP_SYS_ADMIN, the same namespaces and private root are made inside a user namespace of the
+tree's own, where the kernel allows it. `ProcessOutcome.isolation` says which of these was in
+force; `available_isolation` says beforehand which will be.
 
 A grading job's folder holds `work/` (the job and, after the run, the results: everything in
 it is untrusted) and `root/` (where the private root filesystem is mounted).
@@ -35,9 +37,13 @@ _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.san
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
 UID_BLOCK, UID_BLOCKS = 4096, 500_000  # up to FIRST_UID + 2**31: still below the largest uid, 2**32 - 2
-FULL_ISOLATION = "namespaces+uid+cgroup"
+FULL_ISOLATION = "namespaces+uid+cgroup+seccomp"
 WEAKER_ISOLATION = ("submissions ran as processes of your own user, able to read and change what it can; "
                     "run the grader as root for namespaces and an unprivileged uid per submission")
+UNISOLATED = ("NOT ISOLATED: this machine refuses both the grader's namespaces (root with CAP_SYS_ADMIN) and "
+              "user namespaces (kernel.unprivileged_userns_clone=0, user.max_user_namespaces=0, or a seccomp "
+              "profile); each notebook would run without namespaces, able to read what the grader's user can "
+              "(without root: the solutions, other students' notebooks, your home) and to reach the network")
 SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader stops waiting
 
 
@@ -231,6 +237,15 @@ class Running:
                 self._uid = None
         return ProcessOutcome(reply.get("returncode"), read_tail(self._work / "output.txt"),
                               reply.get("isolation", ""), reply.get("note", ""))
+
+
+def available_isolation() -> str:
+    """`namespaces`, `userns` or `session`: what the fork server will manage here (server.py), found by
+    a short-lived process that tries; `session` means submissions are not isolated."""
+    found = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "from autograde.sandbox.isolation import available; print(available())", str(ROOT)],
+                           capture_output=True, text=True, cwd="/")
+    return found.stdout.strip() or "session"
 
 
 _shared: ForkServer | None = None

@@ -1,6 +1,10 @@
-"""Linux isolation for one submission: namespaces, a private root filesystem, an unprivileged uid.
+"""Linux isolation for one submission: namespaces, a private root filesystem, an unprivileged uid,
+a syscall filter.
 
 Python 3.11 has no `os.unshare` or mount calls, so these are the C library's, through ctypes.
+They are called in processes forked from the warm fork server, with no exec in between; a
+sandboxing tool that starts a new program (bubblewrap, nsjail) would lose the imported torch,
+which is what makes a warm fork cheap.
 `private_root` builds, in a new mount namespace, a root filesystem that holds only what the
 worker needs: the system's libraries, the Python installation, the virtual environment, the
 `autograde` package and the submission's scratch folder, read-only except the scratch folder.
@@ -17,7 +21,7 @@ import time
 from pathlib import Path
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x10000000, 0x02000000
 # The supervisor enters these; the submission's first process then a mount namespace of its
 # own, so that its new root does not become the supervisor's too.
 NAMESPACES = CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
@@ -25,7 +29,9 @@ NAMESPACES = CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+ST_FLAGS = {os.ST_RDONLY: MS_RDONLY, os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC}
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers; glibc has no wrapper
 
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/sys")
@@ -71,6 +77,11 @@ def die_with_parent() -> None:
     prctl(PR_SET_PDEATHSIG, 9)
 
 
+def adopt_orphans() -> None:
+    """Descendants whose parent dies become this process's children: it can wait for all of them."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
 def no_new_privileges() -> None:
     """Set-user-ID programs and file capabilities give nothing from here on."""
     prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -83,9 +94,101 @@ def pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(ctypes.c_long(number), new_root.encode(), put_old.encode()), "pivot_root")
 
 
+def enter_user_namespace(namespaces: int) -> None:
+    """Enter a new user namespace and, owned by it, the `namespaces`; no privilege needed.
+
+    The caller's uid and gid map to themselves, one each: inside, it is the same user, with every
+    capability over the new namespaces (mounts in its own mount namespace, say) and none outside.
+    `setgroups` is refused inside, as the kernel requires before an unprivileged gid map.
+    """
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWUSER | namespaces)
+    write_id_maps("self", {uid: uid}, {gid: gid}, deny_setgroups=True)
+
+
+def user_namespaces_work() -> bool:
+    """Whether this process may enter a user namespace, with the others and a mount in it (tried in
+    a child: the kernel, a sysctl or a seccomp profile may refuse)."""
+    child = os.fork()
+    if child == 0:
+        try:
+            enter_user_namespace(NAMESPACES | CLONE_NEWNS)
+            mount("tmpfs", "/tmp", "tmpfs", 0, "size=4k")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(child, 0)[1] == 0
+
+
+def available() -> str:
+    """How a submission would be isolated here: `namespaces`, `userns` or `session` (see server.py)."""
+    if os.getuid() == 0:
+        child = os.fork()
+        if child == 0:
+            try:
+                unshare(NAMESPACES | CLONE_NEWNS)
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        if os.waitpid(child, 0)[1] == 0:
+            return "namespaces"
+    return "userns" if user_namespaces_work() else "session"
+
+
+def write_id_maps(pid: int | str, uids: dict[int, int], gids: dict[int, int], deny_setgroups: bool = False) -> None:
+    """Map ids inside the user namespace of `pid` to ids outside, one by one (inside: outside).
+
+    Only the caller's own ids, unless the caller has CAP_SETUID and CAP_SETGID outside: then, as
+    root, the process in the namespace can be root (to build the private root) and the
+    submission's uid (to run it), with nothing else mapped."""
+    settings = [("uid_map", uids), ("gid_map", gids)]
+    if deny_setgroups:
+        settings.insert(0, ("setgroups", None))
+    for name, ids in settings:
+        with open(f"/proc/{pid}/{name}", "w") as file:
+            file.write("deny" if ids is None else "".join(f"{inside} {outside} 1\n" for inside, outside in ids.items()))
+
+
+def drop_capabilities(uid: int | None = None) -> None:
+    """None left, for good: the bounding set, ambient, inheritable, permitted and effective; as
+    root in a user namespace, becoming `uid` on the way (which needs CAP_SETUID, so comes between).
+
+    Inside a user namespace the capabilities are over that namespace only, but they would let the
+    submission remount its read-only folders writable; without root, its uid is the grader's own.
+    """
+    for capability in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(capability), 0, 0, 0) != 0:
+            if ctypes.get_errno() == 22:  # EINVAL: past the last capability this kernel knows
+                break
+            _check(-1, "drop the bounding set")
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    if uid is not None:
+        drop_privileges(uid)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+
+
+def _remount(target: Path, flags: int) -> None:
+    """Remount `target` with `flags` added to those it has: a mount copied into a user namespace
+    keeps its read-only, nosuid, nodev and noexec flags locked, and a remount without them fails."""
+    have = os.statvfs(target).f_flag
+    kept = 0
+    for st_flag, ms_flag in ST_FLAGS.items():
+        if have & st_flag:
+            kept |= ms_flag
+    mount(None, str(target), None, MS_REMOUNT | MS_BIND | kept | flags)
+
+
 def _read_only_bind(source: str, target: Path, extra: int = MS_NOSUID | MS_NODEV) -> None:
-    mount(source, str(target), None, MS_BIND)
-    mount(None, str(target), None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra)
+    try:
+        mount(source, str(target), None, MS_BIND)
+    except IsolationError as exc:
+        if exc.errno != 22:
+            raise
+        # In a user namespace, a folder with mounts below it (/sys, or /etc in a container) binds
+        # only with them: they cannot be left out, which would reveal what lies under them.
+        mount(source, str(target), None, MS_BIND | MS_REC)
+    _remount(target, MS_RDONLY | extra)
 
 
 def _place(new_root: Path, path: str, is_dir: bool) -> Path:
@@ -114,7 +217,8 @@ def python_folders(package_root: Path) -> list[str]:
 def private_root(new_root: Path, scratch: Path, package_root: Path) -> None:
     """Make `new_root` (an empty folder) this mount namespace's root, as described above.
 
-    Run as root in a new PID namespace, before dropping privileges; it enters a new mount namespace.
+    Run in a new PID namespace, as root or in a user namespace of its own, before dropping
+    privileges; it enters a new mount namespace.
     """
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -134,14 +238,14 @@ def private_root(new_root: Path, scratch: Path, package_root: Path) -> None:
     shm = _place(new_root, "/dev/shm", True)
     mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     mount(str(scratch), str(_place(new_root, str(scratch), True)), None, MS_BIND)
-    mount(None, str(new_root / str(scratch).lstrip("/")), None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+    _remount(new_root / str(scratch).lstrip("/"), MS_NOSUID | MS_NODEV)
     mount("proc", str(_place(new_root, "/proc", True)), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     old = _place(new_root, "/.old-root", True)
     pivot_root(str(new_root), str(old))
     os.chdir("/")
     _check(_libc.umount2(b"/.old-root", ctypes.c_int(MNT_DETACH)), "umount old root")
     os.rmdir("/.old-root")
-    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    _remount(Path("/"), MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def drop_privileges(uid: int) -> None:

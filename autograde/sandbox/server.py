@@ -2,17 +2,30 @@
 
 Started once per grading run by `sandbox.ForkServer`, it imports torch, numpy, triton and the
 grader's worker, and nothing of any submission. Each request (a JSON line on stdin) forks a
-*supervisor*, which makes a cgroup, enters new namespaces and forks the first process of a new
-PID namespace; that one joins the cgroup, makes a private root filesystem
-(`isolation.private_root`) and forks the *submission's process*, which runs `worker.main`
-under an unprivileged uid with resource limits. The supervisor waits for it against the wall
-clock, kills it (and with it the whole namespace), kills whatever is left in its cgroup or
-runs under its uid, and writes how it ended to a pipe; the server sends that back as a JSON
-line on stdout.
+*supervisor*, which isolates the submission in one of three ways (the reply says which):
 
-Without root, or where the kernel refuses namespaces or cgroups, the submission runs in a new
-session with the same rlimits, and the supervisor kills its process group and, when it had its
-own uid or cgroup, every process of those; the reply says which isolation was in force.
+- `namespaces`, as root with CAP_SYS_ADMIN: the supervisor makes a cgroup, enters new
+  namespaces and forks the first process of a new PID namespace; that one joins the cgroup,
+  makes a private root filesystem (`isolation.private_root`) and forks the *submission's
+  process*, which runs `worker.main` under an unprivileged uid with resource limits;
+- `userns`, without root or without CAP_SYS_ADMIN, where the kernel allows user namespaces: the
+  supervisor forks a process that (as root: joins the cgroup and takes the submission's uid)
+  enters a new user namespace and, owned by it, the same namespaces, and forks the first process
+  of the PID namespace, which goes on as above; the submission's process drops every
+  capability instead of changing uid;
+- `session`, where neither works: the submission runs in a new session with the same rlimits,
+  and the supervisor kills its process group and, when it had its own uid or cgroup, every
+  process of those. This isolates nothing: `client.available_isolation` lets the grader say so
+  before it starts.
+
+In every mode the supervisor is a child subreaper: whatever the tree orphans becomes its child,
+and it kills and reaps every one before it reports.
+
+The submission's process then sets `no_new_privs` and installs the syscall filter
+(`syscall_filter`), when libseccomp is there. The supervisor waits for it against the wall
+clock, kills it (and with it the whole namespace), kills whatever is left in its cgroup or runs
+under its uid, and writes how it ended to a pipe; the server sends that back as a JSON line on
+stdout.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import torch._dynamo  # noqa: F401  (torch imports it on first use of many funct
 import torch.utils.flop_counter  # noqa: F401
 import triton  # noqa: F401
 
-from autograde.sandbox import isolation, worker
+from autograde.sandbox import isolation, syscall_filter, worker
 
 STDOUT_TAIL = 1500
 
@@ -63,7 +76,7 @@ def _user_processes(uid: int) -> dict[int, int]:
     return found
 
 
-def _run_submission(request: dict) -> None:
+def _run_submission(request: dict, mode: str) -> None:
     """The submission's process: limit, drop privileges, run the worker. Never returns."""
     try:
         isolation.die_with_parent()
@@ -78,13 +91,17 @@ def _run_submission(request: dict) -> None:
         os.dup2(output, 2)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         processes = request["limits"]["extra_processes"]
-        if uid is None:  # the limit counts every process of the user
+        if uid is None:  # the limit counts every process of the uid (in its user namespace, if it has one)
             processes += sum(_user_processes(os.getuid()).values())
         _limits(request["limits"], processes)
-        if uid is not None:
+        if mode == "userns":  # as root in the namespace, or its owner: no capability kept
+            isolation.drop_capabilities(uid)
+        elif uid is not None:
             isolation.drop_privileges(uid)
         isolation.die_with_parent()  # again: a change of uid clears it
         isolation.no_new_privileges()
+        if syscall_filter.AVAILABLE:
+            syscall_filter.install()
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -100,7 +117,7 @@ def _run_submission(request: dict) -> None:
             os._exit(70)
 
 
-def _contain(request: dict, namespaces: bool, group: isolation.Cgroup | None, status_pipe: int) -> None:
+def _contain(request: dict, mode: str, group: isolation.Cgroup | None, status_pipe: int) -> None:
     """The first process of the new PID namespace: set up the private root filesystem, start
     the submission's process, wait for it, and write its wait status. Never returns.
 
@@ -109,14 +126,14 @@ def _contain(request: dict, namespaces: bool, group: isolation.Cgroup | None, st
         isolation.die_with_parent()
         if group is not None:
             group.join()
-        if namespaces:
+        if mode != "session":
             isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]))
         else:
             os.setsid()
         child = os.fork()
         if child == 0:
             os.close(status_pipe)
-            _run_submission(request)
+            _run_submission(request, mode)
         while True:  # as init, it also reaps the orphans that the submission leaves
             pid, status = os.waitpid(-1, 0)
             if pid == child:
@@ -158,46 +175,114 @@ def _kill_all(first: int, uid: int | None, group: isolation.Cgroup | None) -> No
         time.sleep(0.01)
 
 
-def _supervise(request: dict, report: int) -> None:
-    """The supervisor: between the server and the submission. Never returns."""
-    isolation.die_with_parent()
-    os.setsid()
-    uid, namespaces, group, notes = request["uid"], False, None, []
+def _enter_user_namespace(request: dict, group: isolation.Cgroup | None, status_pipe: int,
+                          mapped: tuple[int, int] | None) -> None:
+    """Between the supervisor and the PID namespace: enter a user namespace and, owned by it, the
+    others; fork their first process; end as it ends. Never returns.
+
+    As root, it joins the cgroup first, and the supervisor, which keeps CAP_SETUID outside, maps
+    root to root and the submission's uid to itself (`mapped`: a pipe to say the namespace is
+    there, one to hear the maps are written); without root, its own uid maps to itself."""
+    try:
+        isolation.die_with_parent()
+        if group is not None:
+            group.join()
+        if mapped is None:
+            isolation.enter_user_namespace(isolation.NAMESPACES)
+        else:
+            isolation.unshare(isolation.CLONE_NEWUSER | isolation.NAMESPACES)
+            os.write(mapped[0], b"1")
+            if os.read(mapped[1], 1) != b"1":
+                raise isolation.IsolationError(0, "the user namespace's ids were not mapped")
+        first = os.fork()
+        if first == 0:
+            _contain(request, "userns", None, status_pipe)
+        os.close(status_pipe)
+        _, status = os.waitpid(first, 0)
+        if os.WIFSIGNALED(status):  # the supervisor sees how the namespace's first process ended
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status))
+    except BaseException:
+        traceback.print_exc()
+        os._exit(71)
+
+
+def _map_ids(pid: int, uid: int, pipes: tuple[int, int]) -> None:
+    """The supervisor's half of `_enter_user_namespace` as root."""
+    if os.read(pipes[0], 1) == b"1":
+        try:
+            isolation.write_id_maps(pid, {0: 0, uid: uid}, {0: 0, uid: uid})
+        except OSError:
+            return  # its read ends empty: it stops
+        os.write(pipes[1], b"1")
+
+
+def _choose_mode(notes: list[str]) -> str:
+    """`namespaces` (as root), `userns`, or `session`; in the first case, already entered."""
+    refused = "not root"
     if os.getuid() == 0:
         try:
             isolation.unshare(isolation.NAMESPACES)
-            namespaces = True
+            return "namespaces"
         except OSError as exc:
-            notes.append(f"no namespaces ({exc})")
+            refused = f"root, but no namespaces ({exc})"
+    if isolation.user_namespaces_work():
+        notes.append(f"{refused}: namespaces in a user namespace of its own")
+        return "userns"
+    notes.append(f"{refused}; no user namespaces either"
+                 + ("" if os.getuid() == 0 else ": the same uid as the grader, no namespaces"))
+    return "session"
+
+
+def _supervise(request: dict, report: int) -> None:
+    """The supervisor: between the server and the submission. Never returns."""
+    isolation.die_with_parent()
+    isolation.adopt_orphans()  # the PID namespace's first process, if its parent dies first
+    os.setsid()
+    uid, group, notes = request["uid"], None, []
+    mode = _choose_mode(notes)
+    if os.getuid() == 0:
         limits = request["limits"]
         try:
             group = isolation.Cgroup(f"autograde-{os.getpid()}", limits["memory_bytes"],
-                                     limits["extra_processes"] + 2, limits["cpus"])
+                                     limits["extra_processes"] + 3, limits["cpus"])
         except OSError as exc:
             notes.append(f"no cgroup ({exc})")
-    else:
-        notes.append("not root: same uid as the grader, no namespaces")
     deadline = time.monotonic() + request["limits"]["wall_seconds"]
     status_read, status_write = os.pipe()
+    mapping = (os.pipe(), os.pipe()) if mode == "userns" and os.getuid() == 0 else None
     first = os.fork()
     if first == 0:
         os.close(report)
         os.close(status_read)
-        _contain(request, namespaces, group, status_write)
+        if mode == "userns":
+            _enter_user_namespace(request, group, status_write,
+                                  mapping and (mapping[0][1], mapping[1][0]))
+        _contain(request, mode, group, status_write)
     os.close(status_write)
+    if mapping:
+        os.close(mapping[0][1])
+        os.close(mapping[1][0])
+        _map_ids(first, uid, (mapping[0][0], mapping[1][1]))
+        os.close(mapping[0][0])
+        os.close(mapping[1][1])
     ended = _wait(first, deadline)
     if ended is None:
-        os.kill(first, signal.SIGKILL)  # as the namespace's first process, it takes all others with it
+        os.kill(first, signal.SIGKILL)  # as the namespace's first process (or its parent), it takes all others with it
         os.waitpid(first, 0)
     # In its own PID namespace the tree died with its first process, and its cgroup lists any
     # straggler; every process of its uid is killed only without them, since a uid may be shared
     # with another grading run on this machine.
-    _kill_all(first, None if namespaces else uid, group)
+    _kill_all(first, None if mode != "session" else uid, group)
+    _kill_descendants()
     if group is not None:
         group.remove()
     status = os.read(status_read, 64).decode() if ended is not None else ""
-    kind = "+".join(["namespaces" if namespaces else "session"]
-                    + ["uid"] * (uid is not None) + ["cgroup"] * bool(group))
+    kind = "+".join([mode] + ["uid"] * (uid is not None) + ["cgroup"] * bool(group)
+                    + ["seccomp"] * syscall_filter.AVAILABLE)
+    if not syscall_filter.AVAILABLE:
+        notes.append("no syscall filter (libseccomp not found)")
     outcome = {"returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None, "isolation": kind}
     if ended is not None and not status.isdigit():
         notes.append("the first process of the submission's tree was killed (out of memory?)")
@@ -205,6 +290,37 @@ def _supervise(request: dict, report: int) -> None:
     outcome["note"] = "; ".join(notes)
     os.write(report, json.dumps(outcome).encode())
     os._exit(0)
+
+
+def _children() -> list[int]:
+    me = os.getpid()
+    try:
+        return [int(pid) for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+    except OSError:  # a kernel without that file: look for them
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(stat.parent.name))
+            except (OSError, IndexError, ValueError):
+                pass
+        return found
+
+
+def _kill_descendants() -> None:
+    """Kill and reap every process handed to the supervisor, until none is left. As a subreaper it
+    inherits whatever the submission's tree orphans (daemons included), in every mode; in a PID
+    namespace, reaping its first process means the kernel has killed every other one."""
+    while True:
+        for pid in _children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
 
 
 def serve() -> None:
