@@ -1,6 +1,10 @@
 """The exercises `gqa` and `kv_cache`: graded end to end, wrong answers caught, right ones in other
 styles accepted, and the references checked against oracles that are not the course's code
 (PyTorch's attention with `enable_gqa=True`, full causal attention, loops over heads, published sizes).
+
+The hidden tests are parametrised by the contract's axes (layouts, biases, masks, caches,
+chunkings, ...), so what a wrong answer loses does not depend on the seed: every one is graded
+on several seeds and must lose exactly its tests on each.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from autograde import registry as exercises
-from autograde.cases import Inputs
+from autograde.frontends import check as self_check
 from autograde.grading import batch, reference
+from autograde.grading.compare import CaseResult
+from autograde.grading.session import catalogue, max_score
+from autograde.submission import extract
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
     SEED,
     answer,
-    assert_loses_exactly,
     failed,
     grade_in_process,
     learner_notebook,
+    lost,
     sent_inputs,
 )
 
@@ -37,6 +44,9 @@ pytestmark = pytest.mark.timeout(120)
 GQA = reference.namespace(exercises.get("gqa"))
 KV = reference.namespace(exercises.get("kv_cache"))
 STEP = "gqa_decode_step"
+GQA_TESTS = exercises.module(exercises.get("gqa"))
+KV_TESTS = exercises.module(exercises.get("kv_cache"))
+SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
 
 
 # End to end: the instructor's grader, in its sandboxed worker.
@@ -65,27 +75,66 @@ def replaced(exercise_id: str, cell_id: str, *pairs: tuple[str, str]) -> str:
     return source
 
 
+def named(test: str, *cases: str) -> frozenset[str]:
+    """The report names of some cases of a parametrised test."""
+    return frozenset(f"{test}[{case}]" for case in cases)
+
+
+def cases(test: str, table: dict[str, tuple], keep) -> frozenset[str]:
+    """The report names of the cases of a parametrised test (`table`: id -> axes) whose axes `keep` accepts."""
+    return frozenset(f"{test}[{case}]" for case, axes in table.items() if keep(*axes))
+
+
+def kind(layout: str) -> str:
+    """"MHA", "GQA" or "MQA"."""
+    return layout.split()[0]
+
+
+ATTENTION, CONVERSION, DECODING = GQA_TESTS.ATTENTION_CASES, GQA_TESTS.CONVERSION_CASES, KV_TESTS.DECODING_CASES
+LONG_DECODE = named("long-decode", *KV_TESTS.LONG_CACHES)
+# Every decoding but the whole sequence in one step from no cache (which is causal self-attention).
+AFTER_A_CACHE = cases("decoding-random", DECODING,
+                      lambda layout, bias, cache, chunking: (cache, chunking) != ("no cache", "all in one step"))
+
 WRONG = [
     Variant("repeat-instead-of-repeat-interleave", "gqa", {"repeat_kv": replaced(
         "gqa", "repeat_kv", ("x.repeat_interleave(n_rep, dim=1)", "x.repeat(1, n_rep, 1, 1)"))},
-        fs("repeat-kv", "grouped-attention"), fs("grouped-random")),
+        fs("repeat-kv", "grouped-attention"),  # MHA (n_rep 1) and MQA (1 head) cannot tell
+        named("repeat-kv-random", "n_rep 2 or more") | cases("attention-random", ATTENTION,
+                                                              lambda layout, bias, mask: kind(layout) == "GQA")),
+    Variant("causal-when-no-mask", "gqa", {"GroupedQueryAttention": replaced(
+        "gqa", "GroupedQueryAttention", ("repeat_kv(v, group_size), mask)",
+                                         "repeat_kv(v, group_size),\n            mask if mask is not None else "
+                                         "torch.ones(length, length, dtype=torch.bool).tril())"))},
+        fs(), cases("attention-random", ATTENTION, lambda layout, bias, mask: mask == "no mask")),
+    Variant("two-dimensional-masks-only", "gqa", {"GroupedQueryAttention": replaced(
+        "gqa", "GroupedQueryAttention", ("repeat_kv(v, group_size), mask)",
+                                         "repeat_kv(v, group_size),\n            "
+                                         "None if mask is None else mask.reshape(length, length))"))},
+        fs(), cases("attention-random", ATTENTION,
+                    lambda layout, bias, mask: mask in ("mask (B, 1, T, T)", "mask (B, H, T, T)"))),
     Variant("first-head-instead-of-mean", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ("groups.mean(dim=1)", "groups[:, 0]"))},
-        fs("mha-to-gqa"), fs("mha-to-gqa-random")),
+        fs("mha-to-gqa"), cases("mha-to-gqa-random", CONVERSION, lambda layout, bias: kind(layout) != "MHA")),
     Variant("biases-not-pooled", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ('("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")',
                               '("k_proj.weight", "v_proj.weight")'))},
-        fs("mha-to-gqa"), hidden_may_fail=fs("mha-to-gqa-random")),  # the hidden layer may have no biases
+        fs("mha-to-gqa"), cases("mha-to-gqa-random", CONVERSION,
+                                lambda layout, bias: kind(layout) != "MHA" and bias == "with biases")),
+    # Right values, but the caller's state dict is converted in place and returned.
     Variant("converts-the-callers-state-dict-in-place", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ("converted = {name: tensor.clone() for name, tensor in state_dict.items()}",
                               "converted = state_dict"))},
-        fs("mha-to-gqa"), fs("mha-to-gqa-random")),
+        named("mha-to-gqa-leaves-state-dict-unchanged", *GQA_TESTS.BIASES)),
     Variant("cache-bytes-as-float", "gqa", {"kv_cache_bytes": replaced(
         "gqa", "kv_cache_bytes", ("return 2 * num_layers", "return 2.0 * num_layers"))},
-        fs("kv-cache-bytes"), fs("kv-cache-bytes-random")),
+        fs("kv-cache-bytes"), named("kv-cache-bytes-random", *GQA_TESTS.ELEMENT_SIZES)),
     Variant("cache-bytes-without-factor-2", "gqa", {"kv_cache_bytes": replaced(
         "gqa", "kv_cache_bytes", ("return 2 * num_layers", "return num_layers"))},
-        fs("kv-cache-bytes"), fs("kv-cache-bytes-random")),
+        fs("kv-cache-bytes"), named("kv-cache-bytes-random", *GQA_TESTS.ELEMENT_SIZES)),
+    Variant("bytes-per-element-ignored", "gqa", {"kv_cache_bytes": replaced(
+        "gqa", "kv_cache_bytes", ("* batch_size * bytes_per_element", "* batch_size * 2"))},
+        fs("kv-cache-bytes"), named("kv-cache-bytes-random", "bytes_per_element given")),
     Variant("no-value-error", "gqa", {"GroupedQueryAttention": replaced(
         "gqa", "GroupedQueryAttention", ("raise ValueError", "pass  # "))},
         fs("value-errors")),
@@ -98,25 +147,37 @@ WRONG = [
     Variant("top-left-causal-mask", "kv_cache", {STEP: replaced(
         "kv_cache", STEP, ("mask = torch.arange(total, device=x_new.device)[None, :] <= positions",
                            "mask = torch.ones(n, total, dtype=torch.bool, device=x_new.device).tril()"))},
-        fs("token-by-token", "chunked-prefill", "given-cache"),
-        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+        fs("token-by-token", "chunked-prefill", "given-cache"), AFTER_A_CACHE | LONG_DECODE),
     # Right for one new token (nothing to mask), top-left aligned for a chunk of several after a cache.
     Variant("top-left-causal-mask-inside-chunks", "kv_cache", {STEP: replaced(
         "kv_cache", STEP, ("mask = torch.arange(total, device=x_new.device)[None, :] <= positions",
                            "mask = torch.ones(n, total, dtype=torch.bool, device=x_new.device)\n"
                            "    if n > 1:\n        mask = mask.tril()"))},
-        fs("chunked-prefill", "given-cache"), fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks")),
+        fs("chunked-prefill", "given-cache"), cases(
+            "decoding-random", DECODING, lambda layout, bias, cache, chunking: chunking in (
+                "ragged chunks", "several tokens after a first chunk") or (
+                cache, chunking) == ("a given cache", "all in one step"))),
     Variant("cache-ignores-earlier-steps", "kv_cache", {STEP: replaced(
         "kv_cache", STEP, ("    if cache is not None:\n", "    new_cache = (k, v)\n    if cache is not None:\n"),
         ("return out, (k, v)", "return out, new_cache"))},
-        fs("token-by-token", "chunked-prefill", "given-cache"),
-        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+        fs("token-by-token", "chunked-prefill", "given-cache"), AFTER_A_CACHE | LONG_DECODE),
     Variant("attends-to-the-new-tokens-only", "kv_cache", {STEP: replaced(
         "kv_cache", STEP, ("    total = k.shape[2]\n", "    grown = (k, v)\n    k, v = k[:, :, -n:], v[:, :, -n:]\n"
                                                        "    total = k.shape[2]\n"),
         ("return out, (k, v)", "return out, grown"))},
-        fs("token-by-token", "chunked-prefill", "given-cache"),
-        fs("multi-query-decoding", "multi-head-decoding", "ragged-chunks", "long-decode")),
+        fs("token-by-token", "chunked-prefill", "given-cache"), AFTER_A_CACHE | LONG_DECODE),
+    Variant("projections-without-biases", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, *((f"module.{name}(x_new)", f"(x_new @ module.{name}.weight.T)")
+                            for name in ("q_proj", "k_proj", "v_proj")),
+        ("module.o_proj(heads.transpose(1, 2).reshape(batch, n, num_heads * head_dim))",
+         "heads.transpose(1, 2).reshape(batch, n, num_heads * head_dim) @ module.o_proj.weight.T"))},
+        fs("whole-prompt", "token-by-token", "chunked-prefill"),  # given-cache has no biases
+        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking: bias == "with biases") | LONG_DECODE),
+    Variant("repeat-instead-of-repeat-interleave", "kv_cache", {STEP: replaced(
+        "kv_cache", STEP, ("k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)",
+                           "k.repeat(1, group_size, 1, 1), v.repeat(1, group_size, 1, 1)"))},
+        fs("whole-prompt", "token-by-token", "chunked-prefill", "given-cache"),  # MHA and MQA cannot tell
+        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking: kind(layout) == "GQA") | LONG_DECODE),
 ]
 
 GQA_HEADER = "import math\n\nimport torch\nfrom torch import nn\n\n"
@@ -196,16 +257,47 @@ def gqa_decode_step(module, x_new, cache=None):
 
 
 
+def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
+    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
+    of SEEDS: the results by seed, then by test."""
+    exercise = exercises.get(exercise_id)
+    namespace = {"__name__": "__main__"}
+    for cell in extract.code_cells(learner_notebook(exercise_id, answers)):
+        exec(compile(cell.source, f"<cell {cell.number}>", "exec"), namespace)
+    graded = {}
+    for seed in SEEDS:
+        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
+        assert not violations
+        graded[seed] = {result.name: result for result in results}
+    return graded
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
-def test_a_wrong_answer_fails_exactly_the_tests_it_breaks(variant):
-    assert_loses_exactly(variant)
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant):
+    assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
+    names = {test.name for test in catalogue(exercises.get(variant.exercise))}
+    assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        visible, hidden = lost(results)
+        assert (seed, visible) == (seed, variant.visible_failures)
+        assert (seed, hidden) == (seed, variant.hidden_failures)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test(variant):
-    results, violations = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
-    assert not violations
-    assert failed(results) == set()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant):
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        assert (seed, failed(results)) == (seed, set())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exercise_id", ["gqa", "kv_cache"])
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
+    assert max_score(exercises.get(exercise_id)) == 10
+    for seed, results in graded_on_seeds(exercise_id).items():
+        assert (seed, failed(results)) == (seed, set())
+        assert sum(result.points for result in results.values()) == 10
 
 
 def test_torch_attention_with_enable_gqa_is_not_allowed():
@@ -226,8 +318,12 @@ FEEDBACK = [
      "`GroupedQueryAttention(16, 4, 2, bias=True).head_dim`: expected an int, 4; got the float 4.0"),
     ("cache-bytes-as-float", "kv-cache-bytes",
      "`kv_cache_bytes(32, 32, 128, 4096, 1)`: expected an int, 2147483648; got the float 2147483648.0"),
-    ("converts-the-callers-state-dict-in-place", "mha-to-gqa",
-     "`mha_to_gqa(state_dict, 4, 2) returns a new dict, leaving state_dict unchanged`: expected True, got False"),
+    ("converts-the-callers-state-dict-in-place", "mha-to-gqa-leaves-state-dict-unchanged[with biases]",
+     "`mha_to_gqa(state_dict, 4, 2) returns a new dict`: expected True, got False"),
+    ("converts-the-callers-state-dict-in-place", "mha-to-gqa-leaves-state-dict-unchanged[without biases]",
+     "`mha_to_gqa(state_dict, 4, 2) leaves state_dict unchanged`: expected True, got False"),
+    ("bytes-per-element-ignored", "kv-cache-bytes",
+     "`kv_cache_bytes(80, 8, 128, 4096, 8, bytes_per_element=4)`: expected 21474836480, got 10737418240"),
 ]
 
 
@@ -236,6 +332,17 @@ def test_feedback_says_precisely_what_is_wrong(name, case, message):
     variant = next(v for v in WRONG if v.name == name)
     results, _ = grade_in_process(variant.exercise, learner_notebook(variant.exercise, variant.answers))
     assert any(problem.startswith(message) for problem in results[case].problems), results[case].problems
+
+
+@pytest.mark.timeout(300)
+def test_a_byte_count_returned_as_a_float_is_told_to_be_an_int_in_every_test():
+    """Every value kv_cache_bytes returns as a float, visible or hidden, is reported as "expected an int"."""
+    variant = next(v for v in WRONG if v.name == "cache-bytes-as-float")
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        for name in variant.visible_failures | variant.hidden_failures:
+            problems = results[name].problems
+            assert problems and all(re.fullmatch(r"`kv_cache_bytes\(.*\)`: expected an int, (\d+); got the float \1\.0",
+                                                 problem) for problem in problems), (seed, problems)
 
 
 def test_the_step_is_given_only_the_attributes_of_the_contract():
@@ -406,18 +513,59 @@ def test_reference_step_after_a_given_cache_uses_the_bottom_right_mask():
         torch.testing.assert_close(out, module.o_proj(expected.transpose(1, 2).reshape(2, 3, 24)))
 
 
-@pytest.mark.parametrize("exercise_id", ["gqa", "kv_cache"])
-def test_the_hidden_inputs_are_valid_for_many_seeds(exercise_id):
-    for seed in range(40):
-        for case, sent in sent_inputs(exercise_id, seed).items():
-            inputs = sent[0] if sent else None
-            if not isinstance(inputs, Inputs):
-                continue
-            for sizes in inputs.get("chunkings", []):
+@pytest.mark.timeout(300)
+def test_the_hidden_inputs_of_gqa_are_what_their_case_names_say():
+    layouts = {"MHA": lambda heads, kv_heads: kv_heads == heads > 1,
+               "MQA": lambda heads, kv_heads: kv_heads == 1 < heads,
+               "GQA": lambda heads, kv_heads: 1 < kv_heads < heads and heads % kv_heads == 0}
+    for seed in range(10):
+        sent = sent_inputs("gqa", seed)
+        for case, (layout, bias, mask) in ATTENTION.items():
+            for inputs in sent[f"attention-random[{case}]"]:
+                B, T, _ = inputs["x"].shape
+                assert layouts[kind(layout)](inputs["num_heads"], inputs["num_kv_heads"])
+                assert inputs["bias"] == GQA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
+                shapes = {"no mask": None, "mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T),
+                          "mask (B, H, T, T)": (B, inputs["num_heads"], T, T)}
+                assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
+                assert B > 1 and T > 1  # (B, 1, T, T) is not (T, T), and no mask is not a causal one
+            assert [inputs["x"].dtype for inputs in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
+        for case, (layout, bias) in CONVERSION.items():
+            for inputs in sent[f"mha-to-gqa-random[{case}]"]:
+                assert layouts[kind(layout)](inputs["num_heads"], *inputs["num_kv_heads"])
+                assert ("k_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+        for case in GQA_TESTS.REPEATS:
+            (inputs,) = sent[f"repeat-kv-random[{case}]"]
+            assert {n_rep for _, n_rep in inputs["calls"]} <= ({1} if case == "n_rep 1" else {2, 3, 4})
+            assert inputs["x"].shape[1] > 1 and inputs["one_head"].shape[1] == 1
+        for case in GQA_TESTS.ELEMENT_SIZES:
+            (inputs,) = sent[f"kv-cache-bytes-random[{case}]"]
+            given = [size for _, size in inputs["calls"]]
+            assert given == ([None] * 3 if case == "bytes_per_element by default" else [1, 2, 4])
+
+
+@pytest.mark.timeout(300)
+def test_the_hidden_inputs_of_kv_cache_are_what_their_case_names_say():
+    for seed in range(10):
+        sent = sent_inputs("kv_cache", seed)
+        for case, (layout, bias, cache, chunking) in DECODING.items():
+            for inputs in sent[f"decoding-random[{case}]"]:
+                heads, kv_heads = inputs["num_heads"], inputs["num_kv_heads"]
+                assert {"MHA": kv_heads == heads > 1, "MQA": kv_heads == 1 < heads,
+                        "GQA": 1 < kv_heads < heads}[kind(layout)]
+                assert ("q_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+                assert ("cache_k" in inputs.values) == (cache == "a given cache")
+                if cache == "a given cache":
+                    assert inputs["cache_k"].shape[2] >= 1
+                (sizes,) = inputs["chunkings"]
                 assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
-            if case in ("multi-query-decoding", "multi-head-decoding", "ragged-chunks"):
-                # some chunk of several tokens comes after a cache, where the mask's alignment matters
-                assert any(any(n > 1 for n in sizes[1:]) for sizes in inputs["chunkings"])
+                assert {"all in one step": len(sizes) == 1, "token by token": set(sizes) == {1},
+                        "ragged chunks": len(sizes) > 2 and max(sizes[1:]) > 1,
+                        "several tokens after a first chunk": len(sizes) == 2 and sizes[1] > 1}[chunking]
+        for case in KV_TESTS.LONG_CACHES:
+            (inputs,) = sent[f"long-decode[{case}]"]
+            assert ("cache_k" in inputs.values) == (case != "no cache")
+            assert "cache_k" not in inputs.values or inputs["cache_k"].shape[2] == 0
 
 
 # The notebooks.

@@ -41,14 +41,16 @@ def test_the_first_cell_sets_up_locally_and_on_colab(exercise):
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
-def test_each_test_case_has_one_nbgrader_test_cell_with_its_points(exercise):
+def test_each_test_function_has_one_nbgrader_test_cell_with_its_points(exercise):
+    """One cell per test function; a parametrised test's cases share it and its points add up."""
+    tests = release.test_functions(exercise)
     test_cells = [c for c in source_notebook(exercise).cells if nbgrader_meta(c).get("grade")]
-    assert [grade_id(c) for c in test_cells] == [f"test-{case.name}" for case in catalogue(exercise)]
-    for cell, case in zip(test_cells, catalogue(exercise)):
-        call = f'run("{exercise.id}", "{case.name}", globals())'
-        assert nbgrader_meta(cell)["points"] == case.points and nbgrader_meta(cell)["locked"]
+    assert [grade_id(c) for c in test_cells] == [f"test-{test.name}" for test in tests]
+    for cell, test in zip(test_cells, tests):
+        call = f'run("{exercise.id}", "{test.name}", globals())'
+        assert nbgrader_meta(cell)["points"] == pytest.approx(test.points) and nbgrader_meta(cell)["locked"]
         hidden = HIDDEN.search(cell.source)
-        assert (hidden is not None and hidden.group(1) == call) if not case.visible else call in cell.source
+        assert (hidden is not None and hidden.group(1) == call) if not test.visible else call in cell.source
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)

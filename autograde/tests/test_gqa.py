@@ -1,4 +1,12 @@
-"""`gqa`: repeat_kv, the GroupedQueryAttention module, converting MHA weights to GQA, the size of a KV cache."""
+"""`gqa`: repeat_kv, the GroupedQueryAttention module, converting MHA weights to GQA, the size of a KV cache.
+
+The hidden tests are parametrised by the axes along which the contract lets inputs vary, so that
+every graded run covers every value of each; the seed draws only sizes and values:
+repeat_kv's `n_rep` (1, or more; on one and on several key/value heads); the module's layout
+(MHA, GQA, MQA), biases (on, off) and mask (none, (T, T), (B, 1, T, T), (B, H, T, T)), each case
+in float32 and float64; mha_to_gqa's biases and the layout converted to; kv_cache_bytes with
+`bytes_per_element` left to its default or given.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +28,16 @@ GROUPED = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4), (12, 4)]
 # (num_layers, num_kv_heads, head_dim) of LLaMA-2 7B (MHA), LLaMA-2 70B (GQA-8) and PaLM 540B (MQA).
 REAL_MODELS = [(32, 32, 128), (80, 8, 128), (118, 1, 256)]
 
+# The axes of the hidden tests (their values are the test ids).
+LAYOUTS = ("MHA (a KV head per query head)", "GQA (a KV head per group of query heads)", "MQA (1 KV head)")
+BIASES = {"with biases": True, "without biases": False}
+MASKS = ("no mask", "mask (T, T)", "mask (B, 1, T, T)", "mask (B, H, T, T)")
+REPEATS = ("n_rep 1", "n_rep 2 or more")
+ELEMENT_SIZES = ("bytes_per_element by default", "bytes_per_element given")
+ATTENTION_CASES = {f"{layout}, {bias}, {mask}": (layout, bias, mask)
+                   for layout in LAYOUTS for bias in BIASES for mask in MASKS}
+CONVERSION_CASES = {f"to {layout}, {bias}": (layout, bias) for layout in LAYOUTS for bias in BIASES}
+
 
 def projection_shapes(d_model: int, num_heads: int, num_kv_heads: int) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of GroupedQueryAttention."""
@@ -40,6 +58,17 @@ def projection_weights(draw: Draw, d_model: int, num_heads: int, num_kv_heads: i
         if bias:
             values[f"{name}.bias"] = draw.normal(out_features, dtype=dtype, scale=in_features ** -0.5)
     return values
+
+
+def layout_heads(draw: Draw, layout: str) -> tuple[int, int]:
+    """(num_heads, num_kv_heads) of a layout of `LAYOUTS`; MHA and MQA with 2 or more query heads."""
+    kind = layout.split()[0]
+    if kind == "MHA":
+        heads = draw.choice([2, 3, 4])
+        return heads, heads
+    if kind == "MQA":
+        return draw.choice([2, 4, 8]), 1
+    return draw.choice(GROUPED)
 
 
 def module_inputs(x: torch.Tensor, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, weights: dict) -> dict:
@@ -102,23 +131,39 @@ def attention(functions, inputs: Inputs) -> dict:
     return {"out": module(inputs["x"]) if mask is None else module(inputs["x"], mask=mask)}
 
 
+def state_dict_of(inputs: Inputs) -> dict:
+    return {name: value for name, value in inputs.values.items() if name.endswith(("weight", "bias"))}
+
+
 @adapter
 def converted(functions, inputs: Inputs) -> dict:
-    num_heads = inputs["num_heads"]
-    state_dict = {name: value for name, value in inputs.values.items() if name.endswith(("weight", "bias"))}
+    num_heads, state_dict = inputs["num_heads"], state_dict_of(inputs)
+    outputs = {}
+    for num_kv_heads in inputs["num_kv_heads"]:
+        call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
+        result = functions.mha_to_gqa({name: value.clone() for name, value in state_dict.items()},
+                                      num_heads, num_kv_heads)
+        if not isinstance(result, Mapping):
+            raise ContractError(f"{call} should return a dict; it returned a {type(result).__name__}")
+        outputs[f"{call}.keys()"] = ", ".join(sorted(map(str, result)))
+        for name in state_dict:
+            outputs[f"{call}[{name!r}]"] = result.get(name)
+    return outputs
+
+
+@adapter
+def callers_state_dict(functions, inputs: Inputs) -> dict:
+    """Whether mha_to_gqa returned a new dict and left the one it was given (keys and tensors) as it was."""
+    num_heads, state_dict = inputs["num_heads"], state_dict_of(inputs)
     outputs = {}
     for num_kv_heads in inputs["num_kv_heads"]:
         call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
         given = {name: value.clone() for name, value in state_dict.items()}
         result = functions.mha_to_gqa(given, num_heads, num_kv_heads)
-        if not isinstance(result, Mapping):
-            raise ContractError(f"{call} should return a dict; it returned a {type(result).__name__}")
-        # The contract: a new dict, the caller's left as it was (keys, and every tensor's values).
-        outputs[f"{call} returns a new dict, leaving state_dict unchanged"] = result is not given and \
-            given.keys() == state_dict.keys() and all(torch.equal(given[name], state_dict[name]) for name in given)
-        outputs[f"{call}.keys()"] = ", ".join(sorted(map(str, result)))
-        for name in state_dict:
-            outputs[f"{call}[{name!r}]"] = result.get(name)
+        outputs[f"{call} returns a new dict"] = isinstance(result, Mapping) and result is not given
+        outputs[f"{call} leaves state_dict unchanged"] = given.keys() == state_dict.keys() and all(
+            isinstance(given[name], torch.Tensor) and given[name].shape == state_dict[name].shape
+            and torch.equal(given[name], state_dict[name]) for name in state_dict)
     return outputs
 
 
@@ -167,58 +212,58 @@ def conversion_inputs(draw: Draw) -> Inputs:
                   "the state dict of an MHA layer with d_model=16, with biases")
 
 
+def callers_state_dict_inputs(draw: Draw, bias: bool) -> Inputs:
+    return Inputs({**mha_state_dict(draw, 16, bias, torch.float64), "num_heads": 4, "num_kv_heads": [1, 2, 4]},
+                  f"the state dict of an MHA layer with d_model=16, {'with' if bias else 'without'} biases, "
+                  "converted to MQA, GQA and MHA")
+
+
 def cache_bytes_inputs(draw: Draw) -> Inputs:
     calls = [((*model, 4096, 1), None) for model in REAL_MODELS]
     calls += [((80, 8, 128, 4096, 8), 4), ((32, 32, 128, 1, 1), 1)]
     return Inputs({"calls": calls}, "LLaMA-2 7B, LLaMA-2 70B and PaLM 540B; float32 and int8 caches")
 
 
-# Hidden cases.
+# Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
 
-def multi_query_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([2, 4, 8])
-    d_model, bias, dtype = num_heads * draw.integer(1, 4), draw.choice([True, False]), torch.float32
-    x = draw.normal(draw.integer(1, 3), draw.integer(1, 7), d_model, dtype=dtype)
-    weights = projection_weights(draw, d_model, num_heads, 1, bias, dtype)
-    return Inputs(module_inputs(x, d_model, num_heads, 1, bias, weights),
-                  "one key/value head (MQA), given projection weights, no mask")
+def repeat_random_inputs(draw: Draw, repeat: str) -> Inputs:
+    n_rep = 1 if repeat == "n_rep 1" else draw.integer(2, 4)
+    B, S, d = draw.integer(1, 3), draw.integer(1, 6), draw.integer(1, 6)
+    return Inputs({"x": draw.normal(B, draw.integer(2, 4), S, d), "one_head": draw.normal(B, 1, S, d),
+                   "calls": [("x", n_rep), ("one_head", n_rep)]},
+                  "x has several key/value heads, one_head has 1")
 
 
-def multi_head_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([1, 2, 3, 4])
-    d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
+def attention_random_inputs(draw: Draw, layout: str, bias: bool, mask: str) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    num_heads, num_kv_heads = layout_heads(draw, layout)
+    d_model, dtype = num_heads * draw.integer(1, 3), torch.float64
     B, T = draw.integer(2, 3), draw.integer(2, 7)
-    values = module_inputs(draw.normal(B, T, d_model, dtype=dtype), d_model, num_heads, num_heads, False,
-                           projection_weights(draw, d_model, num_heads, num_heads, False, dtype))
-    values["mask"], note = random_mask(draw, (B, 1, T, T), empty_rows=1)
-    return Inputs(values, f"as many key/value heads as query heads (MHA), no biases, mask with {note}")
-
-
-def grouped_random_inputs(draw: Draw) -> Inputs:
-    num_heads, num_kv_heads = draw.choice(GROUPED)
-    d_model, bias = num_heads * draw.integer(1, 3), draw.choice([True, False])
-    dtype = draw.choice([torch.float32, torch.float64])
-    B, T = draw.integer(2, 3), draw.integer(2, 8)
     values = module_inputs(draw.normal(B, T, d_model, dtype=dtype), d_model, num_heads, num_kv_heads, bias,
                            projection_weights(draw, d_model, num_heads, num_kv_heads, bias, dtype))
-    values["mask"], note = random_mask(draw, draw.choice([(T, T), (B, num_heads, T, T)]), empty_rows=1)
-    return Inputs(values, f"grouped heads, given projection weights, mask with {note}")
+    note = f"{num_heads} query heads, {num_kv_heads} key/value heads, {'with' if bias else 'without'} biases"
+    if mask != "no mask":
+        shape = {"mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T), "mask (B, H, T, T)": (B, num_heads, T, T)}
+        values["mask"], masked = random_mask(draw, shape[mask], empty_rows=1)
+        note += f", {mask} with {masked}"
+    return Inputs(values, note)
 
 
-def conversion_random_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([4, 6, 8])
-    grouped = draw.choice([g for h, g in GROUPED if h == num_heads])
-    d_model, bias = num_heads * draw.integer(1, 4), draw.choice([True, False])
-    values = mha_state_dict(draw, d_model, bias, draw.choice([torch.float32, torch.float64]))
-    return Inputs({**values, "num_heads": num_heads, "num_kv_heads": [1, grouped, num_heads]},
+def conversion_random_inputs(draw: Draw, layout: str, bias: bool) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    num_heads, num_kv_heads = layout_heads(draw, layout)
+    d_model = num_heads * draw.integer(1, 4)
+    return Inputs({**mha_state_dict(draw, d_model, bias, torch.float64), "num_heads": num_heads,
+                   "num_kv_heads": [num_kv_heads]},
                   f"the state dict of an MHA layer with d_model={d_model}, {'with' if bias else 'without'} biases")
 
 
-def cache_bytes_random_inputs(draw: Draw) -> Inputs:
+def cache_bytes_random_inputs(draw: Draw, element_size: str) -> Inputs:
+    sizes = (None,) * 3 if element_size == "bytes_per_element by default" else (1, 2, 4)
     calls = [((draw.integer(1, 96), draw.choice([1, 2, 4, 8, 16, 32]), draw.choice([64, 80, 96, 128, 256]),
                draw.integer(1, 2**17), draw.integer(1, 64)), bytes_per_element)
-             for bytes_per_element in (None, 1, 2, 4)]
-    return Inputs({"calls": calls}, "random configurations and element sizes")
+             for bytes_per_element in sizes]
+    return Inputs({"calls": calls}, "random configurations")
 
 
 EXERCISE = Exercise(
@@ -259,7 +304,7 @@ def test_value_errors(submission, reference, draw):
     assert_same(got, expected, inputs)
 
 
-@pytest.mark.points(1.5)
+@pytest.mark.points(1.0)
 @pytest.mark.uses(MODULE)
 def test_grouped_attention(submission, reference, draw):
     """outputs of grouped-query self-attention with a causal mask"""
@@ -268,12 +313,22 @@ def test_grouped_attention(submission, reference, draw):
     assert_same(got, expected, inputs)
 
 
-@pytest.mark.points(1.0)
+@pytest.mark.points(0.5)
 @pytest.mark.uses(CONVERT)
 def test_mha_to_gqa(submission, reference, draw):
     """K and V heads mean-pooled per group, weights and biases; Q and O copied"""
     inputs = conversion_inputs(draw)
     got, expected = submission.converted(inputs), reference.converted(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.parametrize("bias", list(BIASES.values()), ids=list(BIASES))
+@pytest.mark.points(0.5)
+@pytest.mark.uses(CONVERT)
+def test_mha_to_gqa_leaves_state_dict_unchanged(submission, reference, draw, bias):
+    """mha_to_gqa returns a new dict and leaves the state dict it was given unchanged"""
+    inputs = callers_state_dict_inputs(draw, bias)
+    got, expected = submission.callers_state_dict(inputs), reference.callers_state_dict(inputs)
     assert_same(got, expected, inputs)
 
 
@@ -287,50 +342,46 @@ def test_kv_cache_bytes(submission, reference, draw):
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.0)
-@pytest.mark.uses(MODULE)
-def test_multi_query(submission, reference, draw):
-    """one key/value head for every query head"""
-    inputs = multi_query_inputs(draw)
-    got, expected = submission.attention(inputs), reference.attention(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
-@pytest.mark.points(1.0)
-@pytest.mark.uses(MODULE)
-def test_multi_head(submission, reference, draw):
-    """num_kv_heads == num_heads is multi-head attention"""
-    inputs = multi_head_inputs(draw)
-    got, expected = submission.attention(inputs), reference.attention(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
-@pytest.mark.points(1.0)
-@pytest.mark.uses(MODULE)
-def test_grouped_random(submission, reference, draw):
-    """random groupings, dtypes and masks"""
-    inputs = grouped_random_inputs(draw)
-    got, expected = submission.attention(inputs), reference.attention(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
-@pytest.mark.points(1.0)
-@pytest.mark.uses(CONVERT)
-def test_mha_to_gqa_random(submission, reference, draw):
-    """conversions to MQA, GQA and MHA"""
-    inputs = conversion_random_inputs(draw)
-    got, expected = submission.converted(inputs), reference.converted(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
+@pytest.mark.parametrize("repeat", REPEATS, ids=REPEATS)
 @pytest.mark.points(0.5)
+@pytest.mark.uses(REPEAT)
+def test_repeat_kv_random(submission, reference, draw, repeat):
+    """random sizes, on one and on several key/value heads"""
+    inputs = repeat_random_inputs(draw, repeat)
+    got, expected = submission.repeats(inputs), reference.repeats(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("layout, bias, mask", list(ATTENTION_CASES.values()), ids=list(ATTENTION_CASES))
+@pytest.mark.points(3.0)
+@pytest.mark.uses(MODULE)
+def test_attention_random(submission, reference, draw, layout, bias, mask):
+    """every layout, with and without biases, under every kind of mask, in float32 and float64"""
+    drawn = attention_random_inputs(draw, layout, BIASES[bias], mask)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.attention(inputs), reference.attention(inputs)
+        assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("layout, bias", list(CONVERSION_CASES.values()), ids=list(CONVERSION_CASES))
+@pytest.mark.points(0.75)
+@pytest.mark.uses(CONVERT)
+def test_mha_to_gqa_random(submission, reference, draw, layout, bias):
+    """conversions to MHA, GQA and MQA, with and without biases, in float32 and float64"""
+    drawn = conversion_random_inputs(draw, layout, BIASES[bias])
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.converted(inputs), reference.converted(inputs)
+        assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("element_size", ELEMENT_SIZES, ids=ELEMENT_SIZES)
+@pytest.mark.points(0.75)
 @pytest.mark.uses(BYTES)
-def test_kv_cache_bytes_random(submission, reference, draw):
-    """random configurations and bytes per element"""
-    inputs = cache_bytes_random_inputs(draw)
+def test_kv_cache_bytes_random(submission, reference, draw, element_size):
+    """random configurations, bytes_per_element by default and given"""
+    inputs = cache_bytes_random_inputs(draw, element_size)
     got, expected = submission.cache_sizes(inputs), reference.cache_sizes(inputs)
     assert_same(got, expected, inputs)

@@ -16,9 +16,16 @@ from torch import nn
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
 from autograde.sandbox.observe import ContractError, kind_of, pair
 from autograde.testing import adapter, assert_same
-from autograde.tests.test_gqa import GROUPED, projection_shapes, projection_weights
+from autograde.tests.test_gqa import BIASES, LAYOUTS, layout_heads, projection_shapes, projection_weights
 
 STEP = "gqa_decode_step"
+
+# The axes of the hidden tests (their values are the test ids); LAYOUTS and BIASES as in `gqa`.
+CACHES = ("no cache", "a given cache")
+CHUNKINGS = ("all in one step", "token by token", "ragged chunks", "several tokens after a first chunk")
+DECODING_CASES = {f"{layout}, {bias}, {cache}, {chunking}": (layout, bias, cache, chunking)
+                  for layout in LAYOUTS for bias in BIASES for cache in CACHES for chunking in CHUNKINGS}
+LONG_CACHES = ("no cache", "an empty cache (t = 0)")
 
 
 def given_module(inputs: Inputs) -> SimpleNamespace:
@@ -115,40 +122,38 @@ def given_cache_inputs(draw: Draw) -> Inputs:
                   "3 new tokens after a given cache of 4 tokens, no biases")
 
 
-# Hidden cases.
+# Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
 
-def multi_query_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([2, 4, 8])
-    length = draw.integer(6, 10)
-    prefill = draw.integer(2, length - 2)
-    return Inputs(decoding_inputs(draw, draw.integer(1, 3), length, num_heads * draw.integer(2, 4), num_heads, 1,
-                                  draw.choice([True, False]), torch.float32,
-                                  [[prefill] + [1] * (length - prefill), ragged(draw, length)]),
-                  "one key/value head (MQA): a prefill then single tokens, and ragged chunks")
-
-
-def multi_head_inputs(draw: Draw) -> Inputs:
-    num_heads, length = draw.choice([1, 2, 4]), draw.integer(6, 10)
-    return Inputs(decoding_inputs(draw, draw.integer(2, 3), length, num_heads * draw.integer(2, 4), num_heads,
-                                  num_heads, False, torch.float64, [ragged(draw, length), [1] * length], cached=0),
-                  "as many key/value heads as query heads (MHA), no biases, starting from an empty cache")
+def chunk_sizes(draw: Draw, chunking: str, length: int) -> list[int]:
+    if chunking == "all in one step":
+        return [length]
+    if chunking == "token by token":
+        return [1] * length
+    if chunking == "ragged chunks":
+        return ragged(draw, length)
+    first = draw.integer(1, length - 2)
+    return [first, length - first]
 
 
-def ragged_inputs(draw: Draw) -> Inputs:
-    num_heads, num_kv_heads = draw.choice(GROUPED)
-    length = draw.integer(6, 12)
-    return Inputs(decoding_inputs(draw, draw.integer(1, 3), length, num_heads * draw.integer(1, 3), num_heads,
-                                  num_kv_heads, draw.choice([True, False]),
-                                  draw.choice([torch.float32, torch.float64]),
-                                  [ragged(draw, length), ragged(draw, length)]),
-                  "grouped heads, two random chunkings")
+def decoding_random_inputs(draw: Draw, layout: str, bias: bool, cache: str, chunking: str) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    num_heads, num_kv_heads = layout_heads(draw, layout)
+    length = draw.integer(5, 9)
+    cached = None if cache == "no cache" else draw.integer(1, 5)
+    sizes = chunk_sizes(draw, chunking, length)
+    values = decoding_inputs(draw, draw.integer(1, 3), length, num_heads * draw.integer(1, 3), num_heads,
+                             num_kv_heads, bias, torch.float64, [sizes], cached=cached)
+    note = (f"{num_heads} query heads, {num_kv_heads} key/value heads, {'with' if bias else 'without'} biases, "
+            + ("no cache" if cached is None else f"a given cache of {cached} tokens"))
+    return Inputs(values, note)
 
 
-def long_decode_inputs(draw: Draw) -> Inputs:
+def long_decode_inputs(draw: Draw, cache: str) -> Inputs:
     prefill, steps = draw.integer(4, 8), draw.integer(12, 16)
+    cached = None if cache == "no cache" else 0
     return Inputs(decoding_inputs(draw, 2, prefill + steps, 32, 8, 2, True, torch.float32,
-                                  [[prefill] + [1] * steps]),
-                  f"a prefill of {prefill} tokens, then {steps} single-token steps")
+                                  [[prefill] + [1] * steps], cached=cached),
+                  f"a prefill of {prefill} tokens, then {steps} single-token steps, starting from {cache}")
 
 
 EXERCISE = Exercise(
@@ -199,40 +204,23 @@ def test_given_cache(submission, reference, draw):
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.0)
+@pytest.mark.parametrize("layout, bias, cache, chunking", list(DECODING_CASES.values()), ids=list(DECODING_CASES))
+@pytest.mark.points(3.0)
 @pytest.mark.uses(STEP)
-def test_multi_query_decoding(submission, reference, draw):
-    """decoding with one key/value head"""
-    inputs = multi_query_inputs(draw)
-    got, expected = submission.decode(inputs), reference.decode(inputs)
-    assert_same(got, expected, inputs)
+def test_decoding_random(submission, reference, draw, layout, bias, cache, chunking):
+    """every layout, biases on and off, no cache and a given one, every chunking, in float32 and float64"""
+    drawn = decoding_random_inputs(draw, layout, BIASES[bias], cache, chunking)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.decode(inputs), reference.decode(inputs)
+        assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.0)
+@pytest.mark.parametrize("cache", LONG_CACHES, ids=LONG_CACHES)
+@pytest.mark.points(2.0)
 @pytest.mark.uses(STEP)
-def test_multi_head_decoding(submission, reference, draw):
-    """decoding with as many key/value heads as query heads"""
-    inputs = multi_head_inputs(draw)
-    got, expected = submission.decode(inputs), reference.decode(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
-@pytest.mark.points(1.5)
-@pytest.mark.uses(STEP)
-def test_ragged_chunks(submission, reference, draw):
-    """random chunkings, groupings and dtypes"""
-    inputs = ragged_inputs(draw)
-    got, expected = submission.decode(inputs), reference.decode(inputs)
-    assert_same(got, expected, inputs)
-
-
-@pytest.mark.hidden
-@pytest.mark.points(1.5)
-@pytest.mark.uses(STEP)
-def test_long_decode(submission, reference, draw):
+def test_long_decode(submission, reference, draw, cache):
     """many single-token steps after a prefill"""
-    inputs = long_decode_inputs(draw)
+    inputs = long_decode_inputs(draw, cache)
     got, expected = submission.decode(inputs), reference.decode(inputs)
     assert_same(got, expected, inputs)
