@@ -9,7 +9,7 @@ from autograde.frontends.nbgrader import run
 from tests.fixtures.implementations import SDPA_WRONG
 from tests.fixtures.notebooks import SEED, answer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 SDPA = "scaled_dot_product_attention"
 
 
@@ -80,7 +80,8 @@ def test_an_nbgrader_test_cell_passes_or_says_why_not(monkeypatch, capsys):
     broken = namespace_of(answer("sdpa", "scaled_dot_product_attention").replace("/ math.sqrt(q.shape[-1])", ""))
     with pytest.raises(AssertionError, match=r"test no-mask failed\ninputs: q \(2, 3, 4, 8\) float64"):
         run("sdpa", "no-mask", broken)
-    with pytest.raises(AssertionError, match=r"^hidden test random-shapes failed$"):  # nothing about hidden inputs
+    # Each case by its axes only, nothing about hidden inputs.
+    with pytest.raises(AssertionError, match=r"\A(hidden test random-shapes\[[^\]\n]+\] failed(\n|\Z))+\Z"):
         run("sdpa", "random-shapes", broken)
 
 

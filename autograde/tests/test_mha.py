@@ -1,4 +1,13 @@
-"""`mha`: splitting and merging heads, the MultiHeadAttention module, loading nn.MultiheadAttention."""
+"""`mha`: splitting and merging heads, the MultiHeadAttention module, loading nn.MultiheadAttention.
+
+The hidden tests are parametrised by the axes along which the contract lets inputs vary, so that
+every graded run covers every value of each; the seed draws only sizes and values:
+self- and cross-attention, masks (none, (L, S), (B, 1, L, S), (B, H, L, S)), biases (on, off)
+and heads (1, several), each case in float32 and float64; `key` and `value` left to their
+defaults; loading an nn.MultiheadAttention with 1 head and several. Outputs are compared in
+eval() mode; one test holds train() mode to the same output (the contract has no dropout), and
+one the gradients through fully masked rows.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,15 @@ from autograde.tests.test_sdpa import random_mask
 SPLIT, MERGE, MODULE, LOAD = "split_heads", "merge_heads", "MultiHeadAttention", "load_torch_mha"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
+# The axes of the hidden tests (their values are the test ids).
+KINDS = ("self-attention", "cross-attention")
+MASKS = ("no mask", "mask (L, S)", "mask (B, 1, L, S)", "mask (B, H, L, S)")
+BIASES = {"with biases": True, "without biases": False}
+HEADS = ("1 head", "several heads")
+ATTENTION_CASES = {f"{kind}, {mask}, {bias}, {heads}": (kind, mask, bias, heads)
+                   for kind in KINDS for mask in MASKS for bias in BIASES for heads in HEADS}
+DEFAULTS = ("key and value left to their defaults", "value left to its default")
+
 
 def describe_layer(layer) -> str:
     if layer is None:
@@ -24,11 +42,12 @@ def describe_layer(layer) -> str:
 
 
 def build_module(functions, inputs: Inputs, dtype: torch.dtype) -> nn.Module:
+    """The learner's module in eval() mode (a test of its own holds train() mode to the same output)."""
     d_model, num_heads, bias = inputs["d_model"], inputs["num_heads"], inputs["bias"]
     module = functions.MultiHeadAttention(d_model, num_heads, bias=bias)
     if not isinstance(module, nn.Module):
         raise ContractError(f"MultiHeadAttention(...) should be an nn.Module; it is {type(module).__name__}")
-    return module.to(dtype)
+    return module.to(dtype).eval()
 
 
 def set_projections(module: nn.Module, inputs: Inputs) -> None:
@@ -105,12 +124,42 @@ def attention(functions, inputs: Inputs) -> dict:
 
 @adapter
 def defaults(functions, inputs: Inputs) -> dict:
+    """`module(query)`, or `module(query, key)` when the case has a key."""
     module = build_module(functions, inputs, inputs["query"].dtype)
     set_projections(module, inputs)
-    self_out, self_weights = forward(module, inputs["query"])
-    cross_out, cross_weights = forward(module, inputs["query"], inputs["key"])
-    return {"module(query)[0]": self_out, "module(query)[1]": self_weights,
-            "module(query, key)[0]": cross_out, "module(query, key)[1]": cross_weights}
+    args = [inputs[name] for name in ("query", "key") if name in inputs.values]
+    shown = f"module({', '.join(name for name in ('query', 'key') if name in inputs.values)})"
+    out, weights = forward(module, *args)
+    return {f"{shown}[0]": out, f"{shown}[1]": weights}
+
+
+@adapter
+def train_and_eval(functions, inputs: Inputs) -> dict:
+    module = build_module(functions, inputs, inputs["query"].dtype)
+    set_projections(module, inputs)
+    args = [inputs[name] for name in ("query", "key", "value")]
+    outputs = {}
+    for mode in ("train", "eval"):
+        getattr(module, mode)()
+        out, weights = forward(module, *args)
+        outputs[f"in {mode}() mode: out"], outputs[f"in {mode}() mode: weights"] = out, weights
+    return outputs
+
+
+@adapter
+def gradients(functions, inputs: Inputs) -> dict:
+    """The gradients of (out * dout).sum() with respect to the inputs and the projections' weights,
+    computed where the learner's code runs."""
+    module = build_module(functions, inputs, inputs["query"].dtype)
+    set_projections(module, inputs)
+    args = [inputs[name].clone().requires_grad_(True) for name in ("query", "key", "value")]
+    out, _ = forward(module, *args, mask=inputs["mask"])
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        raise ContractError("MultiHeadAttention.forward returned an `out` that autograd cannot trace back to "
+                            "query, key and value")
+    (out * inputs["dout"]).sum().backward()
+    grads = {f"{name}.grad": tensor.grad for name, tensor in zip(("query", "key", "value"), args)}
+    return {**grads, **{f"{name}.weight.grad": getattr(module, name).weight.grad for name in PROJECTIONS}}
 
 
 @adapter
@@ -164,6 +213,10 @@ def module_inputs(sequence_values: dict, d_model: int, num_heads: int, bias: boo
     return {**sequence_values, "d_model": d_model, "num_heads": num_heads, "bias": bias, **weights}
 
 
+def head_count(draw: Draw, heads: str) -> int:
+    return 1 if heads == "1 head" else draw.integer(2, 4)
+
+
 def split_inputs(draw: Draw) -> Inputs:
     return Inputs({"x": draw.normal(2, 5, 12), "num_heads": [3, 1, 12]})
 
@@ -194,39 +247,69 @@ def load_cross_inputs(draw: Draw) -> Inputs:
                   "weights of an nn.MultiheadAttention(12, 3, bias=True), cross-attention")
 
 
-def masked_cross_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([1, 2, 4])
-    d_model, bias = num_heads * draw.integer(2, 6), draw.choice([True, False])
-    B, L, S = draw.integer(1, 3), draw.integer(2, 7), draw.integer(1, 7)
-    dtype = draw.choice([torch.float32, torch.float64])
-    values = module_inputs(sequences(draw, B, L, S, d_model, dtype), d_model, num_heads, bias,
-                           projection_weights(draw, d_model, bias, dtype))
-    values["mask"], note = random_mask(draw, draw.choice([(L, S), (B, 1, L, S), (B, num_heads, L, S)]), 1)
-    return Inputs(values, f"cross-attention, given projection weights, mask with {note}")
+# Hidden cases: one per value of each axis (the parameters); sizes and values from the seed. Batch and
+# lengths are at least 2, so that (B, 1, L, S) is not (L, S) and heads mixed with tokens show.
+
+def attention_random_inputs(draw: Draw, kind: str, mask: str, bias: bool, heads: str) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    num_heads, dtype = head_count(draw, heads), torch.float64
+    d_model = num_heads * draw.integer(2, 4)
+    B, L = draw.integer(2, 3), draw.integer(2, 6)
+    S = L if kind == "self-attention" else draw.integer(2, 6)
+    values = module_inputs(sequences(draw, B, L, S, d_model, dtype, cross=kind == "cross-attention"),
+                           d_model, num_heads, bias, projection_weights(draw, d_model, bias, dtype))
+    note = f"{kind}, given projection weights, {'with' if bias else 'without'} biases"
+    if mask != "no mask":
+        shape = {"mask (L, S)": (L, S), "mask (B, 1, L, S)": (B, 1, L, S), "mask (B, H, L, S)": (B, num_heads, L, S)}
+        values["mask"], masked = random_mask(draw, shape[mask], empty_rows=1)
+        note += f", {mask} with {masked}"
+    return Inputs(values, note)
 
 
-def defaults_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([1, 2, 3, 6])
+def defaults_inputs(draw: Draw, defaulted: str) -> Inputs:
+    num_heads = draw.integer(2, 4)
     d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
-    values = sequences(draw, draw.integer(1, 3), draw.integer(1, 6), draw.integer(1, 6), d_model, dtype)
+    values = sequences(draw, draw.integer(2, 3), draw.integer(2, 6), draw.integer(2, 6), d_model, dtype)
     del values["value"]
+    if defaulted == "key and value left to their defaults":
+        del values["key"]
     return Inputs(module_inputs(values, d_model, num_heads, True, projection_weights(draw, d_model, True, dtype)),
-                  "given projection weights; key defaults to query, value to key")
+                  f"given projection weights; {defaulted}")
 
 
-def load_no_bias_inputs(draw: Draw) -> Inputs:
-    num_heads = draw.choice([1, 2, 4, 8])
-    d_model, dtype = num_heads * draw.integer(2, 4), draw.choice([torch.float32, torch.float64])
-    values = sequences(draw, draw.integer(1, 3), draw.integer(1, 6), draw.integer(1, 6), d_model, dtype)
+def load_no_bias_inputs(draw: Draw, heads: str) -> Inputs:
+    num_heads = head_count(draw, heads)
+    d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
+    values = sequences(draw, draw.integer(2, 3), draw.integer(2, 6), draw.integer(2, 6), d_model, dtype)
     return Inputs(module_inputs(values, d_model, num_heads, False, torch_mha_weights(draw, d_model, False, dtype)),
-                  f"weights of an nn.MultiheadAttention({d_model}, {num_heads}, bias=False)")
+                  f"weights of an nn.MultiheadAttention(d_model, {num_heads}, bias=False), cross-attention")
 
 
-def random_heads_inputs(draw: Draw) -> Inputs:
-    head_dim, num_heads = draw.integer(1, 5), draw.integer(1, 6)
-    x = draw.normal(draw.integer(1, 3), draw.integer(1, 7), num_heads * head_dim)
-    y = draw.normal(draw.integer(1, 3), num_heads, draw.integer(1, 7), head_dim)
-    return Inputs({"x": x, "y": y, "num_heads": [num_heads, 1]})
+def random_heads_inputs(draw: Draw, heads: str) -> Inputs:
+    num_heads, head_dim = (1, draw.integer(2, 6)) if heads == "1 head" else (draw.integer(2, 6), draw.integer(1, 5))
+    x = draw.normal(draw.integer(1, 3), draw.integer(2, 7), num_heads * head_dim)
+    y = draw.normal(draw.integer(1, 3), num_heads, draw.integer(2, 7), head_dim)
+    return Inputs({"x": x, "y": y, "num_heads": [num_heads]})
+
+
+def train_and_eval_inputs(draw: Draw) -> Inputs:
+    """Large enough (192 outputs) that a dropout keeps every one of them with a negligible chance."""
+    dtype = torch.float64
+    values = sequences(draw, B=2, L=6, S=6, d_model=16, dtype=dtype, cross=False)
+    return Inputs(module_inputs(values, 16, 4, True, projection_weights(draw, 16, True, dtype)),
+                  "self-attention, given projection weights, no mask")
+
+
+def gradient_inputs(draw: Draw) -> Inputs:
+    num_heads = draw.integer(2, 4)
+    d_model, dtype = num_heads * draw.integer(2, 4), torch.float64
+    B, L, S = draw.integer(2, 3), draw.integer(3, 6), draw.integer(2, 6)
+    values = module_inputs(sequences(draw, B, L, S, d_model, dtype), d_model, num_heads, True,
+                           projection_weights(draw, d_model, True, dtype))
+    values["mask"], masked = random_mask(draw, (L, S), empty_rows=draw.integer(1, 2))
+    values["dout"] = draw.normal(B, L, d_model)
+    return Inputs(values, f"cross-attention, given projection weights, mask (L, S) with {masked}; "
+                          "gradients of (out * dout).sum()")
 
 
 @adapter
@@ -300,40 +383,66 @@ def test_load_torch_mha(submission, reference, draw):
 
 
 @pytest.mark.hidden
+@pytest.mark.parametrize("kind, mask, bias, heads", list(ATTENTION_CASES.values()), ids=list(ATTENTION_CASES))
 @pytest.mark.points(1.5)
 @pytest.mark.uses(MODULE)
-def test_masked_cross_attention(submission, reference, draw):
-    """cross-attention with a broadcast mask"""
-    inputs = masked_cross_inputs(draw)
-    got, expected = submission.attention(inputs), reference.attention(inputs)
-    assert_same(got, expected, inputs)
+def test_attention_random(submission, reference, draw, kind, mask, bias, heads):
+    """self- and cross-attention under every kind of mask, with and without biases, 1 head and several,
+    in float32 and float64"""
+    drawn = attention_random_inputs(draw, kind, mask, BIASES[bias], heads)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.attention(inputs), reference.attention(inputs)
+        assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.0)
+@pytest.mark.parametrize("defaulted", DEFAULTS, ids=DEFAULTS)
+@pytest.mark.points(0.5)
 @pytest.mark.uses(MODULE)
-def test_default_key_value(submission, reference, draw):
+def test_default_key_value(submission, reference, draw, defaulted):
     """key defaults to query and value to key"""
-    inputs = defaults_inputs(draw)
+    inputs = defaults_inputs(draw, defaulted)
     got, expected = submission.defaults(inputs), reference.defaults(inputs)
     assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.5)
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS)
+@pytest.mark.points(1.0)
 @pytest.mark.uses(MODULE, LOAD)
-def test_load_torch_mha_no_bias(submission, reference, draw):
-    """loads an nn.MultiheadAttention without biases"""
-    inputs = load_no_bias_inputs(draw)
+def test_load_torch_mha_no_bias(submission, reference, draw, heads):
+    """loads an nn.MultiheadAttention without biases, with 1 head and several"""
+    inputs = load_no_bias_inputs(draw, heads)
     got, expected = submission.loaded(inputs), reference.loaded(inputs)
     assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS)
 @pytest.mark.points(0.5)
 @pytest.mark.uses(SPLIT, MERGE)
-def test_heads_random(submission, reference, draw):
-    """split_heads and merge_heads on random sizes"""
-    inputs = random_heads_inputs(draw)
+def test_heads_random(submission, reference, draw, heads):
+    """split_heads and merge_heads on random sizes, 1 head and several"""
+    inputs = random_heads_inputs(draw, heads)
     got, expected = submission.heads_and_round_trip(inputs), reference.heads_and_round_trip(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+@pytest.mark.uses(MODULE)
+def test_no_dropout(submission, reference, draw):
+    """the same output in train() and eval() mode: no dropout"""
+    inputs = train_and_eval_inputs(draw)
+    got, expected = submission.train_and_eval(inputs), reference.train_and_eval(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+@pytest.mark.uses(MODULE)
+def test_gradients(submission, reference, draw):
+    """gradients with respect to the inputs and the projections, finite and right through fully masked rows"""
+    inputs = gradient_inputs(draw)
+    got, expected = submission.gradients(inputs), reference.gradients(inputs)
     assert_same(got, expected, inputs)
