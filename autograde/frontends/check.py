@@ -12,7 +12,7 @@ import inspect
 
 from autograde import registry
 from autograde.cases import Exercise
-from autograde.grading.compare import CaseResult
+from autograde.grading.compare import CaseResult, total
 from autograde.grading.proxies import LocalSubmission
 from autograde.grading.report import check_text
 from autograde.grading.session import Session, catalogue
@@ -57,6 +57,6 @@ def check(exercise_id: str, function: str | None = None, namespace: dict | None 
     if function is not None:
         using = {test.name for test in catalogue(exercise) if function in test.uses}
         results = [r for r in results if r.name in using]
-    hidden = sum(test.points for test in catalogue(exercise) if not test.visible) if function is None else 0
+    hidden = total(test.points for test in catalogue(exercise) if not test.visible) if function is None else 0
     _, elsewhere = forbidden.scan_graded(history_cells(namespace), exercise)
     print(check_text(exercise_id, results, violations, hidden, elsewhere))

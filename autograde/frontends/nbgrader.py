@@ -16,6 +16,7 @@ import secrets
 from autograde import registry
 from autograde.cases import Exercise
 from autograde.frontends.check import run_in_kernel
+from autograde.grading.compare import total
 from autograde.grading.session import SEED_VARIABLE, catalogue, hidden_seed_from_environment
 from autograde.submission import forbidden
 
@@ -85,4 +86,4 @@ def run(exercise_id: str, test_name: str, namespace: dict) -> float | None:
     if len(failed) == len(results):
         raise AssertionError("\n".join(report))
     print("\n".join(report))
-    return sum(result.points for result in results if result.passed)
+    return total(result.points for result in results if result.passed)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,6 +12,12 @@ from autograde.cases import TOLERANCE
 from autograde.sandbox.observe import OtherValue, TensorValue
 
 NOT_RUN = "not run: "
+
+
+def total(points) -> float:
+    """A sum of points: exact where the points add up to a round number (a parametrised test's
+    share, 10/3, three times, is 10, not 10.000000000000002)."""
+    return round(math.fsum(points), 9)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograde.cases import Exercise
-from autograde.grading.compare import CaseResult
+from autograde.grading.compare import CaseResult, total
 from autograde.grading.proxies import SandboxedSubmission, _Proxy
 from autograde.grading.session import Blocked, Session, catalogue
 from autograde.registry import EXERCISES
@@ -43,11 +43,11 @@ class Grade:
 
     @property
     def score(self) -> float:
-        return sum(result.earned for result in self.results) if self.counted else 0.0
+        return total(result.earned for result in self.results) if self.counted else 0.0
 
     @property
     def max_score(self) -> float:
-        return sum(result.points for result in self.results)
+        return total(result.points for result in self.results)
 
 
 def not_run(exercise: Exercise, status: str, reason: str, notes: tuple[str, ...] = ()) -> Grade:

@@ -6,10 +6,11 @@ import csv
 import html
 import io
 import os
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autograde.grading.compare import CaseResult
+from autograde.grading.compare import CaseResult, total
 from autograde.submission.forbidden import Violation
 from autograde.submission.integrity import CHANGED
 
@@ -38,7 +39,7 @@ def case_lines(result: CaseResult, details: bool) -> list[str]:
 def check_text(exercise_id: str, results: list[CaseResult], violations: list[Violation],
                hidden_points: float, elsewhere: list[Violation] = ()) -> str:
     """What `check(...)` prints in the notebook: each test, then the verdict the grader will give."""
-    earned, possible = sum(r.earned for r in results), sum(r.points for r in results)
+    earned, possible = total(r.earned for r in results), total(r.points for r in results)
     lines = []
     for result in results:
         lines += case_lines(result, details=True)
@@ -92,14 +93,14 @@ def _csv_text(header, rows) -> str:
 
 def _totals(rows: list[tuple[str, Grade]]) -> tuple[dict, dict]:
     """(student, assignment) -> [score, max], and student -> [score, max]."""
-    by_assignment: dict[tuple[str, str], list[float]] = {}
-    by_student: dict[str, list[float]] = {}
-    for student, grade in rows:
-        for key, table in (((student, grade.exercise.assignment), by_assignment), (student, by_student)):
-            total = table.setdefault(key, [0.0, 0.0])
-            total[0] += grade.score
-            total[1] += grade.max_score
-    return by_assignment, by_student
+    def add_up(key_of) -> dict:
+        grades: dict = defaultdict(list)
+        for student, grade in rows:
+            grades[key_of(student, grade)].append(grade)
+        return {key: [total(g.score for g in group), total(g.max_score for g in group)]
+                for key, group in grades.items()}
+
+    return add_up(lambda student, grade: (student, grade.exercise.assignment)), add_up(lambda student, _: student)
 
 
 def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
@@ -177,9 +178,9 @@ def feedback_html(student: str, markdown: str) -> str:
 
 def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
     """Visible tests in detail; hidden tests by name and result only."""
-    total, possible = sum(g.score for g in grades), sum(g.max_score for g in grades)
+    earned, possible = total(g.score for g in grades), total(g.max_score for g in grades)
     lines = [f"# Feedback for {student}", "",
-             f"Total: {points(total)} / {points(possible)} points. "
+             f"Total: {points(earned)} / {points(possible)} points. "
              "The hidden tests drew their inputs from the instructor's secret seed.", ""]
     for grade in grades:
         exercise = grade.exercise

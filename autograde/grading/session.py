@@ -20,7 +20,7 @@ import pytest
 
 from autograde import course, registry
 from autograde.cases import Exercise
-from autograde.grading.compare import CaseResult
+from autograde.grading.compare import CaseResult, total
 from autograde.grading.proxies import LearnerFailed, Reference, SandboxedSubmission, _Proxy
 from autograde.sandbox.observe import Failure
 from autograde.submission.forbidden import Violation
@@ -142,7 +142,7 @@ def catalogue(exercise: Exercise) -> tuple[TestInfo, ...]:
 
 
 def max_score(exercise: Exercise) -> float:
-    return sum(test.points for test in catalogue(exercise))
+    return total(test.points for test in catalogue(exercise))
 
 
 def hidden_seed_from_environment() -> int | None:
