@@ -199,7 +199,7 @@ def case_results(feedback: str, exercise: str = "sdpa") -> dict[str, tuple[float
     """Each test's points earned and whether it passed, from the exercise's table in the feedback."""
     section = feedback.split(f"\n## {exercise}:", 1)[-1].split("\n## ", 1)[0]
     found = {}
-    for match in re.finditer(r"^\| ([\w-]+)(?: \(hidden\))? \| ([\d.]+) / [\d.]+ \| ([^|]+) \|$", section, re.M):
+    for match in re.finditer(r"^\| (.+?)(?: \(hidden\))? \| ([\d.]+) / [\d.]+ \| ([^|]+) \|$", section, re.M):
         found[match[1]] = (float(match[2]), match[3].strip().startswith("passed"))
     return found
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograde import registry
+from autograde.grading.session import catalogue
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,12 +36,14 @@ def test_one_notebook_with_pytest_junit_xml_and_k(tmp_path: Path):
     assert failed.returncode == 1
     cases = ElementTree.parse(tmp_path / "release.xml").getroot().iter("testcase")
     failures = {case.get("name"): case.find("failure").get("message") for case in cases}
-    assert len(failures) == 10
+    tests = catalogue(registry.get("sdpa"))
+    assert len(failures) == len(tests)
     assert all("not implemented yet (it raises NotImplementedError)" in message for message in failures.values())
 
     visible = pytest_on(solution, "-k", "causal", "-q")  # no seed: the hidden tests are not run
     assert visible.returncode == 0
-    assert "2 passed, 8 deselected" in visible.stdout
+    causal = [test for test in tests if test.visible and "causal" in test.name]
+    assert f"{len(causal)} passed, {len(tests) - len(causal)} deselected" in visible.stdout
 
 
 TOY_TESTS = '''"""`toy`: the smallest exercise, to show how one is added."""
