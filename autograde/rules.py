@@ -11,7 +11,9 @@ Measurements:
   views included, by number of elements) and the matmul FLOPs, counted with the formulas
   of `torch.utils.flop_counter.FlopCounterMode`;
 - `saved_for_backward`: what an autograd Function's forward kept for its backward;
-- `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted.
+- `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted;
+- `Reductions`: the most values that one reduction (a max, a sum, a matrix product, ...)
+  combined into one result during a call.
 """
 
 from __future__ import annotations
@@ -126,6 +128,65 @@ class TritonLaunches:
             cls.run = original
 
 
+# Reductions along a `dim` argument that the `reduction` tag of the operator table does not mark:
+# softmaxes, scans and selections, each of which can stand in for a max or a sum.
+_ALONG_DIM = {torch.ops.aten._softmax, torch.ops.aten._log_softmax, torch.ops.aten._safe_softmax,
+              torch.ops.aten.cumsum, torch.ops.aten.cumprod, torch.ops.aten.logcumsumexp, torch.ops.aten.cummax,
+              torch.ops.aten.cummin, torch.ops.aten.sort, torch.ops.aten.topk, torch.ops.aten.kthvalue,
+              torch.ops.aten.median, torch.ops.aten.nanmedian, torch.ops.aten.mode}
+# Matrix products sum over their inner dimension: `x @ ones` is a sum too.
+_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+             torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.vdot}
+
+
+class Reductions(TorchDispatchMode):
+    """While active: `widest`, the most values any one reduction combined into one result, and
+    `widest_call`, that operator and the shape it reduced.
+
+    A reduction is an operator tagged `reduction` (max, amax, sum, mean, logsumexp, norm, ...),
+    a softmax, scan or selection along a dimension, or a matrix product (which sums over its
+    inner dimension). Only floating-point inputs count: `mask.any()` combines no scores.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.widest = 0
+        self.widest_call = "no reduction"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        width = self._width(func, args, kwargs)
+        if width > self.widest:
+            shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else ()
+            self.widest, self.widest_call = width, f"{func.overloadpacket.__name__} of a tensor of shape {shape}"
+        return out
+
+    @staticmethod
+    def _width(func, args, kwargs) -> int:
+        packet = func.overloadpacket
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or not tensors[0].is_floating_point():
+            return 0
+        if packet in _PRODUCTS:
+            # The inner dimension: the last of the left operand (mm, bmm, mv, dot) or of the one
+            # after the added term (addmm, baddbmm, addmv).
+            left = tensors[1] if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm, torch.ops.aten.addmv) \
+                else tensors[0]
+            return left.shape[-1] if left.dim() else 1
+        if packet not in _ALONG_DIM and torch.Tag.reduction not in func.tags:
+            return 0
+        shape = tensors[0].shape
+        schema = func._schema.arguments
+        bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+        bound.update({**dict(zip((a.name for a in schema), args)), **kwargs})
+        dims = bound.get("dim")
+        if dims is None or dims == []:  # no dim: every element
+            return math.prod(shape)
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return math.prod(shape[d] for d in dims) if shape else 1
+
+
 # Rules.
 
 @dataclass(frozen=True)
@@ -214,3 +275,23 @@ def launched(function: str) -> tuple[Rule, str]:
                 "from a `@triton.jit` kernel launched as `kernel[grid](...)`."]
 
     return Rule("Triton kernel", (key,), judge), key
+
+
+def reductions(function: str) -> tuple[Rule, str, str]:
+    """The rule that `function` reads its input in blocks, with the keys its probe reports:
+    `(rule, widest_key, limit_key)`; the probe also reports the widest call under `widest_key + " (call)"`."""
+    widest = f"most values one reduction combined during {function}"
+    limit = "block_size"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        measured, allowed = got[widest], expected[limit]
+        if not _number(measured):
+            return [f"block rule: `{widest}` should be a number, got {measured!r}"]
+        if measured <= allowed:
+            return []
+        return [f"block rule broken: one reduction in {function} combined {measured:,} values "
+                f"({got.get(widest + ' (call)', 'a reduction')}), more than the block_size={allowed:,} columns of "
+                "one block. Read the row one block of columns at a time: a running max and a running sum, "
+                "updated block by block, never a max or a sum over the whole row."]
+
+    return Rule("block", (widest,), judge), widest, limit

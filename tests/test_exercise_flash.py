@@ -1,11 +1,14 @@
 """The flash exercises: the references agree with PyTorch, the grader gives the solutions full marks
-and the release 0, and wrong answers lose exactly the tests they break, rules included.
+on every seed and the release 0, and wrong answers lose exactly the tests they break, rules included.
 
-The rules (memory, work, saved tensors, Triton launch) are graded by measuring the learner's
-call, so the wrong answers here include ones with the right values and the wrong method.
-Answers run in this process, as in `test_exercises_wrong`; their cells are registered with
-`linecache` as in the worker, because Triton reads a kernel's source when it decorates it.
-One command-line run grades a small class through the sandboxed worker.
+The rules (block, memory, work, saved tensors, Triton launch) are graded by measuring the
+learner's call, so the wrong answers here include ones with the right values and the wrong
+method. The hidden tests are parametrised by the contract's axes (lengths, edges, causal,
+blocks, dtype), so what a wrong answer loses does not depend on the seed: every one is graded
+on several seeds and must lose exactly its tests on each. Answers run in this process, as in
+`test_exercises_wrong`; their cells are registered with `linecache` as in the worker, because
+Triton reads a kernel's source when it decorates it. One command-line run grades a small
+class through the sandboxed worker.
 """
 
 from __future__ import annotations
@@ -25,18 +28,24 @@ from autograde import registry as exercises
 from autograde import rules
 from autograde.frontends import check as self_check
 from autograde.grading import grade, reference
-from autograde.grading.session import catalogue
+from autograde.grading.compare import CaseResult
+from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
 from autograde.submission import extract
 from tests.fixtures.implementations import Variant, variant_id
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, write
+from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, sent_inputs, write
 
 pytestmark = pytest.mark.timeout(120)
 
-# The tests of values; the rules are tests of their own, which wrong values do not fail.
-FORWARD_CASES = {"forward-ragged", "forward-causal", "forward-causal-more-queries", "forward-default-blocks"}
-FORWARD_HIDDEN = {"forward-random", "forward-random-more-queries"}
-BACKWARD_CASES = {"backward-ragged", "backward-causal", "backward-causal-more-queries"}
+SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
+FORWARD_TESTS = exercises.module(exercises.get("flash_forward"))
+BACKWARD_TESTS = exercises.module(exercises.get("flash_backward"))
+TRITON_TESTS = exercises.module(exercises.get("flash_triton"))
+
+# The visible tests of values; the rules are tests of their own, which wrong values do not fail.
+FORWARD_VALUES = {"forward-ragged", "forward-causal", "forward-causal-more-queries", "forward-default-blocks",
+                  "forward-float16"}
+BACKWARD_VALUES = {"backward-ragged", "backward-causal", "backward-causal-more-queries", "backward-float16"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,24 +58,48 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def replaced(source: str, old: str, new: str) -> str:
-    """`source` with `old` replaced, which must be there: a variant never silently equals the reference."""
-    assert old in source, old
-    return source.replace(old, new)
+def replaced(source: str, *pairs: tuple[str, str]) -> str:
+    """`source` with each `old` replaced by `new`, which must be there: a variant never silently equals the
+    reference."""
+    for old, new in pairs:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
 
 
+def cases(test: str, table: dict[str, tuple], keep=lambda *axes: True) -> frozenset[str]:
+    """The report names of the cases of a parametrised test (`table`: id -> axes) whose axes `keep` accepts."""
+    return frozenset(f"{test}[{case}]" for case, axes in table.items() if keep(*axes))
 
 
+FORWARD_RANDOM, FLOAT16_RANDOM = FORWARD_TESTS.FORWARD_CASES, FORWARD_TESTS.FLOAT16_CASES
+BACKWARD_RANDOM, APPLY_RANDOM = BACKWARD_TESTS.BACKWARD_CASES, BACKWARD_TESTS.APPLY_CASES
+TRITON_RANDOM = TRITON_TESTS.TRITON_CASES
+RAGGED = FORWARD_TESTS.EDGES[0]
+EVERY_FORWARD_CASE = cases("forward-random", FORWARD_RANDOM) | cases("forward-float16-random", FLOAT16_RANDOM)
+EVERY_BACKWARD_CASE = cases("backward-random", BACKWARD_RANDOM) | cases("backward-float16-random", FLOAT16_RANDOM)
+
+ONLINE = answer("flash_forward", "online_softmax")
 FORWARD = answer("flash_forward", "flash_attention_forward")
-FORWARD_AGAIN = answer("flash_backward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")
 KERNEL = answer("flash_triton", "flash_attention_kernel")
 
+PLAIN_SOFTMAX = """import math
+
+import torch
+
+
+def online_softmax(x, block_size):
+    exps = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return exps / exps.sum(dim=-1, keepdim=True)
+"""
+
 FULL_MATRIX_FORWARD = """
 def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     L, S = q.shape[-2], k.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    state = torch.promote_types(q.dtype, torch.float32)
+    scores = q.to(state) @ k.to(state).transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
         visible = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
         scores = scores.masked_fill(~visible, -math.inf)
@@ -74,12 +107,15 @@ def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     shift = torch.where(row_max == -math.inf, 0.0, row_max)
     exps = torch.exp(scores - shift)
     total = exps.sum(dim=-1, keepdim=True)
-    return (exps @ v) / torch.where(total > 0, total, 1.0), (shift + torch.log(total)).squeeze(-1)
+    out = (exps @ v.to(state)) / torch.where(total > 0, total, 1.0)
+    return out.to(q.dtype), (shift + torch.log(total)).squeeze(-1)
 """
 
 FULL_MATRIX_BACKWARD = """
 def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):
     L, S = q.shape[-2], k.shape[-2]
+    dtype, state = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v, out, lse, dout = (t.to(state) for t in (q, k, v, out, lse, dout))
     scale = 1 / math.sqrt(q.shape[-1])
     scores = q @ k.transpose(-2, -1) * scale
     if causal:
@@ -87,7 +123,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, 
         scores = scores.masked_fill(~visible, -math.inf)
     p = torch.exp(scores - torch.where(lse == -math.inf, math.inf, lse)[..., None])
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(dim=-1, keepdim=True))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+    grads = (ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout)
+    return tuple(grad.to(dtype) for grad in grads)
 """
 
 TORCH_INSTEAD_OF_TRITON = FULL_MATRIX_FORWARD.replace(
@@ -95,47 +132,83 @@ TORCH_INSTEAD_OF_TRITON = FULL_MATRIX_FORWARD.replace(
     "def flash_attention_triton(q, k, v, causal=False):")
 
 WRONG = [
+    # Right values, computed over the whole row at once.
+    Variant("plain-softmax", "flash_forward", {"online_softmax": PLAIN_SOFTMAX},
+            frozenset({"online-softmax-rule"}),
+            message="block rule broken: one reduction in online_softmax combined 100 values (amax of a tensor of "
+                    "shape (4, 6, 100)), more than the block_size=16 columns of one block"),
+    # For float16 inputs, a logsumexp rounded to float16; float32 and float64 are unchanged.
+    Variant("lse-in-the-inputs-dtype", "flash_forward", {"flash_attention_forward": replaced(
+        FORWARD, ("lse = torch.empty((B, H, L), dtype=state, device=q.device)",
+                  "lse = torch.empty((B, H, L), dtype=q.dtype, device=q.device)"))},
+        frozenset({"forward-float16"}), cases("forward-float16-random", FLOAT16_RANDOM),
+        message="`lse`: expected dtype torch.float32 (for float16 inputs, as FlashAttention returns it), "
+                "got torch.float16"),
     Variant("no-accumulator-rescale", "flash_forward", {"flash_attention_forward": replaced(
-        FORWARD, "acc = acc * rescale + p @ v", "acc = acc + p @ v")},
-        frozenset(FORWARD_CASES), hidden_may_fail=frozenset(FORWARD_HIDDEN), message="`out`: max abs error"),
-    Variant("lse-without-the-scale", "flash_forward", {"flash_attention_forward": replaced(replaced(replaced(
-        FORWARD, "q_block = q[:, :, q_start:q_end] * scale", "q_block = q[:, :, q_start:q_end]"),
-        "p = torch.exp(scores - shift)", "p = torch.exp((scores - shift) * scale)"),
-        "rescale = torch.exp(row_max - shift)", "rescale = torch.exp((row_max - shift) * scale)")},
-        frozenset(FORWARD_CASES), frozenset(FORWARD_HIDDEN), message="`lse`: max abs error"),
+        FORWARD, ("acc = acc * rescale + p @ v", "acc = acc + p @ v"))},
+        frozenset(FORWARD_VALUES), EVERY_FORWARD_CASE, message="`out`: max abs error"),
+    # The last, partial block of queries is never computed.
+    Variant("whole-query-blocks-only", "flash_forward", {"flash_attention_forward": replaced(
+        FORWARD, ("for q_start in range(0, L, block_q):", "for q_start in range(0, L - block_q + 1, block_q):"))},
+        frozenset(FORWARD_VALUES), cases("forward-random", FORWARD_RANDOM, lambda lengths, edges, *_: edges == RAGGED)
+        | cases("forward-float16-random", FLOAT16_RANDOM), message="`out`: max abs error"),
+    # Query i attends key j iff j <= i: right only when L == S.
+    Variant("top-left-causal-mask", "flash_forward", {"flash_attention_forward": replaced(
+        FORWARD, ("diagonal = S - L  #", "diagonal = 0  #"))},
+        frozenset({"forward-causal-more-queries", "forward-float16"}),
+        cases("forward-random", FORWARD_RANDOM, lambda lengths, edges, causal, blocks: causal == "causal"
+              and lengths != "L = S")
+        | cases("forward-float16-random", FLOAT16_RANDOM, lambda lengths, causal: causal == "causal"
+                and lengths != "L = S"),
+        message="`out`: max abs error"),
+    Variant("lse-without-the-scale", "flash_forward", {"flash_attention_forward": replaced(
+        FORWARD, ("q_block = q[:, :, q_start:q_end].to(state) * scale", "q_block = q[:, :, q_start:q_end].to(state)"),
+        ("p = torch.exp(scores - shift)", "p = torch.exp((scores - shift) * scale)"),
+        ("rescale = torch.exp(row_max - shift)", "rescale = torch.exp((row_max - shift) * scale)"))},
+        frozenset(FORWARD_VALUES), EVERY_FORWARD_CASE, message="`lse`: max abs error"),
     Variant("full-score-matrix", "flash_forward", {"flash_attention_forward": FULL_MATRIX_FORWARD},
         frozenset({"memory-rule", "work-rule"}),
         message="memory rule broken: the largest tensor created by flash_attention_forward holds 122,880 "
                 "elements, 10x the 12,288 allowed"),
     Variant("masks-instead-of-skipping", "flash_forward", {"flash_attention_forward": replaced(
-        FORWARD, "k_stop = min(S, q_end + diagonal) if causal else S", "k_stop = S")},
+        FORWARD, ("k_stop = min(S, q_end + diagonal) if causal else S", "k_stop = S"))},
         frozenset({"work-rule"}),
         message="work rule broken: with causal=True the forward spends 67,108,864 matmul FLOPs, 1x the "
                 "67,108,864 of causal=False; at most 0.6x is allowed (the reference: 0.531x)"),
+    # D summed over one key block: right only where a row sees a single key block.
     Variant("D-from-one-key-block", "flash_backward", {"flash_attention_backward": replaced(
-        BACKWARD, "ds = p * (dout_block @ v_block.transpose(-2, -1) - delta[:, :, q_start:q_end])",
-        "dp = dout_block @ v_block.transpose(-2, -1)\n            ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))")},
-        frozenset(BACKWARD_CASES), hidden_may_fail=frozenset({"backward-random", "flash-attention-apply-random"}),
+        BACKWARD, ("ds = p * (dout_block @ v_block.transpose(-2, -1) - delta[:, :, q_start:q_end])",
+                   "dp = dout_block @ v_block.transpose(-2, -1)\n            ds = p * (dp - (p * dp).sum(dim=-1, "
+                   "keepdim=True))"))},
+        frozenset(BACKWARD_VALUES), EVERY_BACKWARD_CASE | cases("flash-attention-apply-random", APPLY_RANDOM),
         message="`dq`: max abs error"),
+    # float16 inputs and a float32 lse mixed in one product.
+    Variant("backward-in-the-inputs-dtype", "flash_backward", {"flash_attention_backward": replaced(
+        BACKWARD, ("    q, k, v, out, lse, dout = (t.to(state) for t in (q, k, v, out, lse, dout))\n", ""))},
+        frozenset({"backward-float16"}), cases("backward-float16-random", FLOAT16_RANDOM),
+        message="RuntimeError: "),
     Variant("full-score-matrix-backward", "flash_backward", {"flash_attention_backward": FULL_MATRIX_BACKWARD},
         frozenset({"backward-memory-rule"}),
         message="memory rule broken: the largest tensor created by flash_attention_backward holds 122,880 "
                 "elements, 10x the 12,288 allowed"),
-    Variant("saves-the-probabilities", "flash_backward", {"FlashAttention": replaced(replaced(
-        FUNCTION, "ctx.save_for_backward(q, k, v, out, lse)",
-        "p = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - lse[..., None])\n"
-        "        ctx.save_for_backward(q, k, v, out, lse, p)"),
-        "q, k, v, out, lse = ctx.saved_tensors", "q, k, v, out, lse, p = ctx.saved_tensors")},
+    Variant("saves-the-probabilities", "flash_backward", {"FlashAttention": replaced(
+        FUNCTION, ("ctx.save_for_backward(q, k, v, out, lse)",
+                   "p = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - lse[..., None])\n"
+                   "        ctx.save_for_backward(q, k, v, out, lse, p)"),
+        ("q, k, v, out, lse = ctx.saved_tensors", "q, k, v, out, lse, p = ctx.saved_tensors"))},
         frozenset({"saved-tensors-rule"}),
         message="saved-tensors rule broken: FlashAttention's forward saves q, k, v, out, lse, a tensor of shape "
                 "(1, 2, 24, 24); it must save exactly q, k, v, out, lse"),
+    # Keys past S score 0; a causal mask hides them anyway.
     Variant("triton-ragged-keys-score-0", "flash_triton", {"flash_attention_kernel": replaced(
-        KERNEL, """        visible = cols[None, :] < S
+        KERNEL, ("""        visible = cols[None, :] < S
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
         scores = tl.where(visible, scores, float("-inf"))""", """        if CAUSAL:
-            scores = tl.where(cols[None, :] <= rows[:, None] + diagonal, scores, float("-inf"))""")},
-        frozenset({"triton-ragged"}), hidden_may_fail=frozenset({"triton-random"}), message="`out`: max abs error"),
+            scores = tl.where(cols[None, :] <= rows[:, None] + diagonal, scores, float("-inf"))"""))},
+        frozenset({"triton-ragged"}), cases("triton-random", TRITON_RANDOM,
+                                            lambda lengths, edges, causal: edges == RAGGED and causal == "not causal"),
+        message="`out`: max abs error"),
     Variant("attention-in-pytorch", "flash_triton", {"flash_attention_triton": TORCH_INSTEAD_OF_TRITON},
         frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if c.visible),
         frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if not c.visible),
@@ -143,33 +216,52 @@ WRONG = [
 ]
 
 RIGHT = [
+    # Blocks from `split`, maxima from `max(dim)`, sums as products with a column of ones.
+    Variant("split-and-matmul-sums", "flash_forward", {"online_softmax": """import math
+
+import torch
+
+
+def online_softmax(x, block_size):
+    state = torch.promote_types(x.dtype, torch.float32)
+    peak = total = None
+    for block in x.to(state).split(block_size, dim=-1):
+        ones = torch.ones(block.shape[-1], 1, dtype=state, device=x.device)
+        block_peak = block.max(dim=-1, keepdim=True).values
+        new_peak = block_peak if peak is None else torch.maximum(peak, block_peak)
+        block_total = torch.exp(block - new_peak) @ ones
+        total = block_total if total is None else total * torch.exp(peak - new_peak) + block_total
+        peak = new_peak
+    return (torch.exp(x.to(state) - peak) / total).to(x.dtype)
+"""}),
     Variant("einsum-one-head-at-a-time", "flash_forward", {"flash_attention_forward": """
 def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     B, H, L, d = q.shape
     S = k.shape[2]
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     out = torch.zeros_like(q)
-    lse = torch.full((B, H, L), -math.inf, dtype=q.dtype)
+    lse = torch.full((B, H, L), -math.inf, dtype=wide)
     for b in range(B):
         for h in range(H):
             for i0 in range(0, L, block_q):
                 rows = torch.arange(i0, min(i0 + block_q, L))
-                m = torch.full((len(rows),), -math.inf, dtype=q.dtype)
-                total = torch.zeros(len(rows), dtype=q.dtype)
-                acc = torch.zeros(len(rows), d, dtype=q.dtype)
+                m = torch.full((len(rows),), -math.inf, dtype=wide)
+                total = torch.zeros(len(rows), dtype=wide)
+                acc = torch.zeros(len(rows), d, dtype=wide)
                 last = min(S, rows[-1].item() + 1 + S - L) if causal else S
                 for j0 in range(0, max(last, 0), block_k):
                     cols = torch.arange(j0, min(j0 + block_k, last))
-                    s = torch.einsum("id,jd->ij", q[b, h, rows], k[b, h, cols]) * d ** -0.5
+                    s = torch.einsum("id,jd->ij", q[b, h, rows].to(wide), k[b, h, cols].to(wide)) * d ** -0.5
                     if causal:
                         s = torch.where(cols[None, :] <= rows[:, None] + (S - L), s, -math.inf)
                     m_new = torch.maximum(m, s.max(dim=1).values)
                     safe = torch.nan_to_num(m_new, neginf=0.0)
                     p = torch.exp(s - safe[:, None])
                     total = total * torch.exp(m - safe) + p.sum(dim=1)
-                    acc = acc * torch.exp(m - safe)[:, None] + torch.einsum("ij,jd->id", p, v[b, h, cols])
+                    acc = acc * torch.exp(m - safe)[:, None] + torch.einsum("ij,jd->id", p, v[b, h, cols].to(wide))
                     m = m_new
                 seen = total > 0
-                out[b, h, rows] = torch.where(seen[:, None], acc / torch.where(seen, total, 1.0)[:, None], 0.0)
+                out[b, h, rows] = torch.where(seen[:, None], acc / torch.where(seen, total, 1.0)[:, None], 0.0).to(q.dtype)
                 lse[b, h, rows] = torch.where(seen, m + torch.log(torch.where(seen, total, 1.0)), -math.inf)
     return out, lse
 """}),
@@ -205,23 +297,47 @@ def grade_in_process(exercise_id: str, answers: dict[str, str]):
     return {result.name: result for result in results}, violations
 
 
+def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
+    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
+    of SEEDS: the results by seed, then by test."""
+    exercise = exercises.get(exercise_id)
+    namespace = run_cells(learner_notebook(exercise_id, answers))
+    graded = {}
+    for seed in SEEDS:
+        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
+        assert not violations
+        graded[seed] = {result.name: result for result in results}
+    return graded
 
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
-def test_a_wrong_answer_loses_exactly_the_tests_it_breaks(variant):
-    results, violations = grade_in_process(variant.exercise, variant.answers)
-    assert not violations
-    visible, hidden = lost(results)
-    assert visible == variant.visible_failures
-    assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant):
+    assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
+    names = {test.name for test in catalogue(exercises.get(variant.exercise))}
+    assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        visible, hidden = lost(results)
+        assert (seed, visible) == (seed, variant.visible_failures)
+        assert (seed, hidden) == (seed, variant.hidden_failures)
     first = next(results[c.name] for c in catalogue(exercises.get(variant.exercise)) if c.name in visible)
     assert any(problem.startswith(variant.message) for problem in first.problems), first.problems
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test(variant):
-    results, violations = grade_in_process(variant.exercise, variant.answers)
-    assert not violations
-    assert failed(results) == set()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant):
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        assert (seed, failed(results)) == (seed, set())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("exercise_id", ["flash_forward", "flash_backward", "flash_triton"])
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
+    assert max_score(exercises.get(exercise_id)) == 10
+    for seed, results in graded_on_seeds(exercise_id).items():
+        assert (seed, failed(results)) == (seed, set())
+        assert sum(result.points for result in results.values()) == pytest.approx(10)
 
 
 def test_softmax_is_not_allowed_in_the_source_nor_hidden(tmp_path: Path):
@@ -382,3 +498,97 @@ def test_triton_launches_are_counted():
         FORWARD_REF["flash_attention_forward"](q, k, v)
     assert launches.count == 0
 
+
+
+def test_reference_float16_keeps_float32_state_and_a_float32_lse():
+    """float16 inputs: out in float16 within float16's rounding of float64 attention, lse in float32 within
+    float32's; the backward, given that lse, gives float16 gradients within float16's rounding of autograd's."""
+    q, k, v = (t.half() for t in random_qkv(2, 2, 70, 90, 32))
+    for causal in (False, True):
+        out, lse = FORWARD_REF["flash_attention_forward"](q, k, v, causal, 16, 32)
+        expected_out, expected_lse = pytorch_attention(q.double(), k.double(), v.double(), causal)
+        assert (out.dtype, lse.dtype) == (torch.float16, torch.float32)
+        torch.testing.assert_close(out.double(), expected_out, rtol=0, atol=2e-3)
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=0, atol=1e-5 * expected_lse.abs().max().item())
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        dout = torch.randn_like(out)
+        expected = torch.autograd.grad((pytorch_attention(*leaves, causal)[0] * dout.double()).sum(), leaves)
+        grads = BACKWARD_REF["flash_attention_backward"](q, k, v, out, lse, dout, causal, 16, 32)
+        for got, want in zip(grads, expected):
+            assert got.dtype == torch.float16
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-3 * max(1.0, want.abs().max().item()))
+    x = (20 * torch.randn(3, 37, dtype=torch.float64)).half()
+    softmax = FORWARD_REF["online_softmax"](x, 8)
+    assert softmax.dtype == torch.float16
+    torch.testing.assert_close(softmax.double(), torch.softmax(x.double(), dim=-1), rtol=0, atol=1e-3)
+
+
+def test_reductions_measures_the_widest_reduction():
+    x = torch.randn(3, 5, 37)
+    measured = {}
+    for name, compute in {"blocks of 8": lambda: FORWARD_REF["online_softmax"](x, 8),
+                          "plain softmax": lambda: torch.exp(x - x.amax(dim=-1, keepdim=True)).sum(dim=-1),
+                          "sum as a product": lambda: torch.exp(x) @ torch.ones(37),
+                          "the largest of all": lambda: x.max(),
+                          "top-1 along the row": lambda: x.topk(1).values,
+                          "a bool mask": lambda: (x > 0).any(dim=-1)}.items():
+        with rules.Reductions() as reductions:
+            compute()
+        measured[name] = reductions.widest
+    assert measured == {"blocks of 8": 8, "plain softmax": 37, "sum as a product": 37, "the largest of all": 555,
+                        "top-1 along the row": 37, "a bool mask": 0}
+
+
+def block_sizes(inputs) -> tuple[int, int]:
+    return inputs.get("block_q", FORWARD_TESTS.DEFAULT_BLOCK), inputs.get("block_k", FORWARD_TESTS.DEFAULT_BLOCK)
+
+
+def assert_drawn_as_named(inputs, lengths: str, edges: str, causal: str, blocks: str) -> None:
+    L, S = inputs["q"].shape[-2], inputs["k"].shape[-2]
+    block_q, block_k = block_sizes(inputs)
+    assert {"L < S": L < S, "L = S": L == S, "L > S": L > S}[lengths]
+    assert (L % block_q and S % block_k) if edges == RAGGED else (L % block_q == S % block_k == 0)
+    assert inputs["causal"] == (causal == "causal")
+    assert ("block_q" in inputs.values) == ("block_k" in inputs.values) == (blocks == "given blocks")
+    # At least 16 rows of each head see three key blocks or more, whatever the mask.
+    assert L >= FORWARD_TESTS.FEWEST_ROWS and S >= 2 * block_k + FORWARD_TESTS.FEWEST_ROWS
+
+
+@pytest.mark.timeout(600)
+def test_the_hidden_inputs_are_what_their_case_names_say():
+    for seed in (0, 1, 2):
+        sent = sent_inputs("flash_forward", seed)
+        for case, axes in FORWARD_RANDOM.items():
+            drawn = sent[f"forward-random[{case}]"]
+            assert [inputs["q"].dtype for inputs in drawn] == [torch.float32, torch.float64]
+            for inputs in drawn:
+                assert_drawn_as_named(inputs, *axes)
+        for case, (lengths, causal) in FLOAT16_RANDOM.items():
+            (inputs,) = sent[f"forward-float16-random[{case}]"]
+            assert inputs["q"].dtype == torch.float16
+            assert_drawn_as_named(inputs, lengths, RAGGED, causal, "given blocks")
+        for width in FORWARD_TESTS.WIDTHS:
+            for inputs in sent[f"online-softmax-random[{width}]"]:
+                columns, (size,) = inputs["x"].shape[-1], inputs["block_sizes"]
+                assert {"width a multiple of the block": columns % size == 0 and columns > size,
+                        "ragged last block": columns % size != 0 and columns > size,
+                        "one block as wide as the row or wider": size >= columns}[width]
+        sent = sent_inputs("flash_backward", seed)
+        for case, axes in BACKWARD_RANDOM.items():
+            for inputs in sent[f"backward-random[{case}]"]:
+                assert inputs["lse"].dtype == inputs["q"].dtype
+                assert_drawn_as_named(inputs, *axes)
+        for case, (lengths, causal) in FLOAT16_RANDOM.items():
+            (inputs,) = sent[f"backward-float16-random[{case}]"]
+            assert (inputs["q"].dtype, inputs["lse"].dtype) == (torch.float16, torch.float32)
+            assert_drawn_as_named(inputs, lengths, RAGGED, causal, "given blocks")
+        for case, axes in APPLY_RANDOM.items():
+            for inputs in sent[f"flash-attention-apply-random[{case}]"]:
+                assert_drawn_as_named(inputs, *axes, "default blocks")
+    sent = sent_inputs("flash_triton", 0)
+    for case, (lengths, edges, causal) in TRITON_RANDOM.items():
+        (inputs,) = sent[f"triton-random[{case}]"]
+        L, S = inputs["q"].shape[-2], inputs["k"].shape[-2]
+        assert {"L < S": L < S, "L = S": L == S, "L > S": L > S}[lengths] and max(L, S) <= TRITON_TESTS.MAX_LENGTH
+        assert (L % 16 and S % 16) if edges == RAGGED else (L % 64 == S % 64 == 0)
+        assert inputs["causal"] == (causal == "causal")

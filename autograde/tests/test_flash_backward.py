@@ -4,6 +4,12 @@ The backward's inputs `out` and `lse` come from the test case (computed by the d
 in float64), so that its grade does not depend on the learner's forward; `FlashAttention`
 runs the learner's own forward (part 0 of the notebook). Rules graded in cases of their own:
 the memory bound of the forward, and that `FlashAttention` saves exactly q, k, v, out, lse.
+
+The hidden tests are parametrised by the contract's axes, as in `flash_forward`: L < S, L = S,
+L > S; lengths ragged or multiples of the blocks; causal or not; the default blocks or given
+ones; each case in float32 and float64, and float16 cases of their own (a float32 lse, as the
+forward returns it, and gradients in float16). Every hidden case has at least two key blocks
+past the first, so that a D_i summed over one key block only shows.
 """
 
 from __future__ import annotations
@@ -19,10 +25,18 @@ from autograde.sandbox.observe import ContractError, kind_of
 from autograde.testing import adapter, assert_rule, assert_same
 from autograde.tests.test_flash_forward import (
     BLOCK_SIZES,
+    CAUSAL,
+    DEFAULT_BLOCK,
+    EDGES,
+    FLOAT16_CASES,
     FORWARD,
+    FORWARD_CASES,
     HEAD_DIMS,
+    LENGTHS,
     attention_inputs,
     call_text,
+    draw_lengths,
+    lse_dtype,
     memory_limit,
     options_of,
     rows_attending_nothing,
@@ -33,6 +47,11 @@ from autograde.tests.test_sdpa import bottom_right_causal
 BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)
 SAVED_RULE, SAVED = rules.saved(FUNCTION)
+
+# The axes of the hidden tests: those of the forward pass; FlashAttention.apply has the default blocks only.
+BACKWARD_CASES = FORWARD_CASES
+APPLY_CASES = {f"{lengths}, {edges}, {causal}": (lengths, edges, causal)
+               for lengths in LENGTHS for edges in EDGES for causal in CAUSAL}
 
 
 def attention_by_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple:
@@ -49,11 +68,12 @@ def attention_by_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, causal: bool,
                     **blocks) -> dict:
-    """q, k, v, and the out, lse and dout that the backward receives, all in `dtype`."""
+    """q, k, v, and the out, lse and dout that the backward receives, in `dtype` (lse in float32 for
+    float16 inputs, as the forward returns it)."""
     values = attention_inputs(draw, B, H, L, S, d, dtype)
     out, lse = attention_by_definition(values["q"], values["k"], values["v"], causal)
-    return {**values, "out": out.to(dtype), "lse": lse.to(dtype), "dout": draw.normal(B, H, L, d, dtype=dtype),
-            "causal": causal, **blocks}
+    return {**values, "out": out.to(dtype), "lse": lse.to(lse_dtype(dtype)),
+            "dout": draw.normal(B, H, L, d, dtype=dtype), "causal": causal, **blocks}
 
 
 def gradients(result, call: str) -> tuple:
@@ -120,6 +140,11 @@ def causal_more_queries(draw: Draw) -> Inputs:
                   rows_attending_nothing(30, 19))
 
 
+def float16_inputs(draw: Draw) -> Inputs:
+    return Inputs(backward_inputs(draw, 2, 2, 60, 90, 32, torch.float16, True, block_q=16, block_k=32),
+                  "float16 q, k, v, out and dout with a float32 lse, as the forward returns it; gradients in float16")
+
+
 def memory_inputs(draw: Draw) -> Inputs:
     inputs = Inputs(backward_inputs(draw, 2, 2, 160, 192, 16, torch.float32, False, block_q=32, block_k=32))
     return Inputs(inputs.values, whole_scores_note(inputs))
@@ -134,24 +159,23 @@ def saved_inputs(draw: Draw) -> Inputs:
     return Inputs(backward_inputs(draw, 1, 2, 24, 24, 16, torch.float64, True), "what the forward saves")
 
 
-# Hidden cases.
+# Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
 
-def random_backward(draw: Draw) -> Inputs:
-    S = draw.integer(1, 90)
-    L = draw.integer(1, 90)
-    causal = draw.choice([False, True])
+def random_backward(draw: Draw, lengths: str, edges: str, causal: bool, blocks: str, dtype: torch.dtype) -> Inputs:
+    given = blocks == "given blocks"
+    block_q, block_k = (draw.choice(BLOCK_SIZES), draw.choice(BLOCK_SIZES)) if given else (DEFAULT_BLOCK,) * 2
+    L, S = draw_lengths(draw, lengths, edges, block_q, block_k)
+    values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS), dtype,
+                             causal, **({"block_q": block_q, "block_k": block_k} if given else {}))
+    return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes")
+
+
+def random_apply(draw: Draw, lengths: str, edges: str, causal: bool) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    L, S = draw_lengths(draw, lengths, edges, DEFAULT_BLOCK, DEFAULT_BLOCK)
     values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
-                             draw.choice([torch.float32, torch.float64]), causal,
-                             block_q=draw.choice(BLOCK_SIZES), block_k=draw.choice(BLOCK_SIZES))
-    return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes and blocks")
-
-
-def random_apply(draw: Draw) -> Inputs:
-    S = draw.integer(1, 90)
-    L = draw.integer(1, 90)
-    values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
-                             draw.choice([torch.float32, torch.float64]), causal=True)
-    return Inputs(values, "causal, random sizes, through FlashAttention.apply")
+                             torch.float64, causal)
+    return Inputs(values, "through FlashAttention.apply, with your forward and its default blocks")
 
 
 EXERCISE = Exercise(
@@ -165,7 +189,7 @@ EXERCISE = Exercise(
 
 # The tests.
 
-@pytest.mark.points(1.5)
+@pytest.mark.points(1.0)
 @pytest.mark.uses(BACKWARD)
 def test_backward_ragged(submission, reference, draw):
     """dq, dk, dv when L and S are not multiples of the blocks"""
@@ -188,6 +212,15 @@ def test_backward_causal(submission, reference, draw):
 def test_backward_causal_more_queries(submission, reference, draw):
     """rows with lse -inf contribute no gradient"""
     inputs = causal_more_queries(draw)
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+@pytest.mark.uses(BACKWARD)
+def test_backward_float16(submission, reference, draw):
+    """float16 inputs with a float32 lse: gradients in float16"""
+    inputs = float16_inputs(draw)
     got, expected = submission.backward(inputs), reference.backward(inputs)
     assert_same(got, expected, inputs)
 
@@ -220,20 +253,35 @@ def test_saved_tensors_rule(submission, reference, draw):
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.5)
+@pytest.mark.parametrize("lengths, edges, causal, blocks", list(BACKWARD_CASES.values()), ids=list(BACKWARD_CASES))
+@pytest.mark.points(1.0)
 @pytest.mark.uses(BACKWARD)
-def test_backward_random(submission, reference, draw):
-    """random sizes, blocks, dtypes, causal or not"""
-    inputs = random_backward(draw)
+def test_backward_random(submission, reference, draw, lengths, edges, causal, blocks):
+    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 and float64"""
+    drawn = random_backward(draw, lengths, edges, CAUSAL[causal], blocks, torch.float64)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.backward(inputs), reference.backward(inputs)
+        assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("lengths, causal", list(FLOAT16_CASES.values()), ids=list(FLOAT16_CASES))
+@pytest.mark.points(0.5)
+@pytest.mark.uses(BACKWARD)
+def test_backward_float16_random(submission, reference, draw, lengths, causal):
+    """float16 inputs with a float32 lse, ragged lengths and given blocks: L < S, L = S, L > S, causal or not"""
+    inputs = random_backward(draw, lengths, EDGES[0], CAUSAL[causal], "given blocks", torch.float16)
     got, expected = submission.backward(inputs), reference.backward(inputs)
     assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
+@pytest.mark.parametrize("lengths, edges, causal", list(APPLY_CASES.values()), ids=list(APPLY_CASES))
 @pytest.mark.points(1.5)
 @pytest.mark.uses(FUNCTION)
-def test_flash_attention_apply_random(submission, reference, draw):
-    """FlashAttention.apply, causal, random sizes"""
-    inputs = random_apply(draw)
-    got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
-    assert_same(got, expected, inputs)
+def test_flash_attention_apply_random(submission, reference, draw, lengths, edges, causal):
+    """FlashAttention.apply: L < S, L = S, L > S; ragged or not; causal or not; float32 and float64"""
+    drawn = random_apply(draw, lengths, edges, CAUSAL[causal])
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
+        assert_same(got, expected, inputs)

@@ -1,8 +1,18 @@
 """`flash_forward`: the online softmax and the tiled (FlashAttention) forward pass.
 
-Besides values, two rules of the contract are graded, each in a case of its own: memory (no
-tensor created during the call larger than the inputs or one block of scores) and work
-(with a causal mask, the key blocks above the diagonal are skipped, not masked).
+Besides values, three rules of the contract are graded, each in a case of its own: the block
+rule (the online softmax never reduces more than one block of columns at once), memory (no
+tensor created during the call larger than the inputs or one block of scores) and work (with a
+causal mask, the key blocks above the diagonal are skipped, not masked).
+
+The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
+that every graded run covers every value of each; the seed draws only sizes and values: for
+the forward pass, L < S, L = S and L > S; lengths ragged or multiples of the blocks; causal or
+not; the default blocks or given ones; each case in float32 and float64, and float16 cases of
+their own (out in float16, lse in float32). Every hidden case has at least two key blocks past
+the first, so that forgetting to rescale the running state shows; for the online softmax, a
+row that is a multiple of the block, one with a ragged last block, and one block as wide as
+the row or wider.
 """
 
 from __future__ import annotations
@@ -22,14 +32,65 @@ HEAD_DIMS = (16, 32, 64)
 BLOCK_SIZES = (8, 16, 32, 64)
 WORK_LENGTH, WORK_BLOCK, WORK_RATIO = 1024, 64, 0.6
 
+BLOCK_RULE, WIDEST, BLOCK_LIMIT = rules.reductions(ONLINE)
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(FORWARD)
 WORK_RULE, CAUSAL_FLOPS, FULL_FLOPS, RATIO_ALLOWED = rules.work()
+
+# The axes of the hidden tests (their values are the test ids).
+LENGTHS = ("L < S", "L = S", "L > S")
+EDGES = ("ragged lengths", "lengths multiples of the blocks")
+CAUSAL = {"causal": True, "not causal": False}
+BLOCKS = ("default blocks", "given blocks")
+WIDTHS = ("width a multiple of the block", "ragged last block", "one block as wide as the row or wider")
+FORWARD_CASES = {f"{lengths}, {edges}, {causal}, {blocks}": (lengths, edges, causal, blocks)
+                 for lengths in LENGTHS for edges in EDGES for causal in CAUSAL for blocks in BLOCKS}
+FLOAT16_CASES = {f"{lengths}, {causal}": (lengths, causal) for lengths in LENGTHS for causal in CAUSAL}
+# The fewest rows per head in a hidden case, and the keys past two blocks that at least as many rows see.
+FEWEST_ROWS = 16
 
 
 def attention_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, **options) -> dict:
     """q, k, v drawn in `dtype`, and the call's options (causal, block sizes) as given."""
     return {"q": draw.normal(B, H, L, d, dtype=dtype), "k": draw.normal(B, H, S, d, dtype=dtype),
             "v": draw.normal(B, H, S, d, dtype=dtype), **options}
+
+
+def draw_lengths(draw: Draw, lengths: str, edges: str, block_q: int, block_k: int) -> tuple[int, int]:
+    """(L, S) as the axes `lengths` (of LENGTHS) and `edges` (of EDGES) say, drawn until they do.
+
+    S >= 2 * block_k + FEWEST_ROWS and L >= FEWEST_ROWS: with or without a causal mask, at least
+    FEWEST_ROWS rows of each head see three key blocks or more, so a running state that is not
+    rescaled shows (the key that raises a row's maximum lies past its first block).
+    """
+    ragged = edges == EDGES[0]
+    while True:
+        S = draw.integer(2 * block_k + FEWEST_ROWS, 2 * block_k + 5 * FEWEST_ROWS)
+        if lengths == "L < S":
+            L = draw.integer(FEWEST_ROWS, S - 1)
+        elif lengths == "L > S":
+            L = draw.integer(S + 1, S + 4 * FEWEST_ROWS)
+        else:
+            L = S
+        if not ragged and lengths == "L = S":  # blocks are powers of 2: the larger is a multiple of both
+            L = S = -(-S // max(block_q, block_k)) * max(block_q, block_k)
+        elif not ragged:  # up to the next multiples of the blocks
+            L, S = -(-L // block_q) * block_q, -(-S // block_k) * block_k
+        ragged_here = L % block_q != 0 and S % block_k != 0
+        multiples_here = L % block_q == 0 and S % block_k == 0
+        in_order = {"L < S": L < S, "L = S": L == S, "L > S": L > S}[lengths]
+        if in_order and (ragged_here if ragged else multiples_here):
+            return L, S
+
+
+def random_attention(draw: Draw, lengths: str, edges: str, causal: bool, blocks: str, dtype: torch.dtype) -> Inputs:
+    """A hidden case of the forward pass: sizes and values from the seed, the rest from the axes."""
+    given = blocks == "given blocks"
+    block_q, block_k = (draw.choice(BLOCK_SIZES), draw.choice(BLOCK_SIZES)) if given else (DEFAULT_BLOCK,) * 2
+    L, S = draw_lengths(draw, lengths, edges, block_q, block_k)
+    options = {"causal": causal, **({"block_q": block_q, "block_k": block_k} if given else {})}
+    values = attention_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS), dtype,
+                              **options)
+    return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes")
 
 
 def call_text(function: str, arguments: str, options: dict) -> str:
@@ -58,11 +119,44 @@ def rows_attending_nothing(L: int, S: int) -> str:
     return f"L > S: the first {L - S} rows attend nothing (out 0, lse -inf)"
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The contract's dtype of a logsumexp: float32 for float16 and bfloat16 inputs, else the inputs' own."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+_FIRST_ARGUMENT = " (the dtype of the first tensor argument)"
+
+
+def assert_attention(got, expected, inputs: Inputs) -> None:
+    """`out` in q's dtype, at its tolerance, as `assert_same` holds it; `lse` in `lse_dtype(q.dtype)`, at
+    that dtype's tolerance (float32's for float16 inputs: a float16 logsumexp is what this catches)."""
+    q = inputs["q"]
+    problems = []
+    for like, ignore in ((q, ("lse",)), (torch.empty(0, dtype=lse_dtype(q.dtype)), ("out",))):
+        try:
+            assert_same(got, expected, like=like, ignore=ignore)
+        except AssertionError as error:
+            problems += str(error).splitlines()
+    if lse_dtype(q.dtype) != q.dtype:
+        problems = [p.replace(_FIRST_ARGUMENT, f" (for {str(q.dtype).removeprefix('torch.')} inputs, as "
+                                               "FlashAttention returns it)") if p.startswith("`lse`") else p
+                    for p in problems]
+    if problems:
+        raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
+
+
 # Probes.
 
 @adapter
 def softmaxes(functions, inputs: Inputs) -> dict:
     return {f"online_softmax(x, {size})": functions.online_softmax(inputs["x"], size) for size in inputs["block_sizes"]}
+
+
+@adapter
+def softmax_reductions(functions, inputs: Inputs) -> dict:
+    with rules.Reductions() as reductions:
+        functions.online_softmax(inputs["x"], inputs["block_size"])
+    return {WIDEST: reductions.widest, f"{WIDEST} (call)": reductions.widest_call, BLOCK_LIMIT: inputs["block_size"]}
 
 
 @adapter
@@ -100,6 +194,11 @@ def softmax_float32_inputs(draw: Draw) -> Inputs:
                   "scores beyond 88, where exp overflows float32 unless the running max is subtracted first")
 
 
+def softmax_rule_inputs(draw: Draw) -> Inputs:
+    return Inputs({"x": draw.normal(4, 6, 100, dtype=torch.float32, scale=3.0), "block_size": 16},
+                  "100 columns read in blocks of 16; every reduction during the call is measured")
+
+
 def ragged(draw: Draw) -> Inputs:
     return Inputs(attention_inputs(draw, 2, 3, 45, 70, 16, torch.float64, causal=False, block_q=16, block_k=32),
                   "L != S, neither a multiple of its block size")
@@ -119,6 +218,11 @@ def default_blocks(draw: Draw) -> Inputs:
     return Inputs(attention_inputs(draw, 1, 2, 100, 130, 64, torch.float32), "the default blocks of 64")
 
 
+def float16_inputs(draw: Draw) -> Inputs:
+    return Inputs(attention_inputs(draw, 2, 2, 60, 90, 32, torch.float16, causal=True, block_q=16, block_k=32),
+                  "float16 inputs: out in float16, lse in float32 (as FlashAttention returns them)")
+
+
 def memory_inputs(draw: Draw) -> Inputs:
     inputs = Inputs(attention_inputs(draw, 2, 2, 192, 160, 16, torch.float32, causal=False, block_q=32, block_k=32))
     return Inputs(inputs.values, whole_scores_note(inputs))
@@ -136,29 +240,21 @@ def work_inputs(draw: Draw) -> Inputs:
                   "called with causal=False and causal=True; matmul FLOPs counted as FlopCounterMode counts them")
 
 
-# Hidden cases: sizes, blocks, dtypes drawn from the instructor's seed.
+# Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
 
-def softmax_random(draw: Draw) -> Inputs:
-    columns = draw.integer(1, 90)
-    x = draw.normal(draw.integer(1, 4), columns, dtype=draw.choice([torch.float32, torch.float64]), scale=10.0)
-    return Inputs({"x": x, "block_sizes": [draw.integer(1, columns), draw.choice(BLOCK_SIZES)]}, "random sizes")
-
-
-def random_sizes(draw: Draw) -> Inputs:
-    values = attention_inputs(draw, draw.integer(1, 3), draw.integer(1, 3), draw.integer(1, 100), draw.integer(1, 100),
-                              draw.choice(HEAD_DIMS), draw.choice([torch.float32, torch.float64]),
-                              causal=draw.choice([False, True]), block_q=draw.choice(BLOCK_SIZES),
-                              block_k=draw.choice(BLOCK_SIZES))
-    return Inputs(values, "random sizes, blocks and dtype")
-
-
-def random_more_queries(draw: Draw) -> Inputs:
-    S = draw.integer(1, 40)
-    L = S + draw.integer(1, 40)
-    values = attention_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
-                              draw.choice([torch.float32, torch.float64]), causal=True,
-                              block_q=draw.choice(BLOCK_SIZES), block_k=draw.choice(BLOCK_SIZES))
-    return Inputs(values, rows_attending_nothing(L, S))
+def softmax_random(draw: Draw, width: str) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    if width == "width a multiple of the block":
+        block_size = draw.choice([1, 2, 4, 8, 16])
+        columns = block_size * draw.integer(2, 8)
+    elif width == "ragged last block":
+        block_size = draw.integer(2, 16)
+        columns = block_size * draw.integer(1, 5) + draw.integer(1, block_size - 1)
+    else:
+        columns = draw.integer(1, 64)
+        block_size = columns + draw.choice([0, draw.integer(1, 32)])
+    x = draw.normal(draw.integer(1, 3), draw.integer(1, 4), columns, scale=10.0)
+    return Inputs({"x": x, "block_sizes": [block_size]}, f"{columns} columns in blocks of {block_size}")
 
 
 EXERCISE = Exercise(
@@ -190,13 +286,28 @@ def test_online_softmax_large_scores(submission, reference, draw):
     assert_same(got, expected, inputs)
 
 
-@pytest.mark.points(1.5)
+@pytest.mark.points(0.5)
+@pytest.mark.uses(ONLINE)
+def test_online_softmax_rule(submission, reference, draw):
+    """block rule: no reduction combines more than block_size columns
+
+    What makes the softmax online: it reads each row one block of columns at a time, so no
+    max, sum, matrix product or other reduction during the call combines more values than one
+    block holds. This rule is measured by a dispatch mode in the learner's own process, and is
+    therefore advisory: code that switches the mode off would not be caught by it.
+    """
+    inputs = softmax_rule_inputs(draw)
+    got, expected = submission.softmax_reductions(inputs), reference.softmax_reductions(inputs)
+    assert_rule(got, expected, BLOCK_RULE, inputs)
+
+
+@pytest.mark.points(1.0)
 @pytest.mark.uses(FORWARD)
 def test_forward_ragged(submission, reference, draw):
     """out and lse when L and S are not multiples of the blocks"""
     inputs = ragged(draw)
     got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+    assert_attention(got, expected, inputs)
 
 
 @pytest.mark.points(1.0)
@@ -205,7 +316,7 @@ def test_forward_causal(submission, reference, draw):
     """out and lse with the causal mask, L == S"""
     inputs = causal_square(draw)
     got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+    assert_attention(got, expected, inputs)
 
 
 @pytest.mark.points(1.0)
@@ -214,7 +325,7 @@ def test_forward_causal_more_queries(submission, reference, draw):
     """rows that attend nothing give out 0 and lse -inf"""
     inputs = causal_more_queries(draw)
     got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+    assert_attention(got, expected, inputs)
 
 
 @pytest.mark.points(0.5)
@@ -223,7 +334,16 @@ def test_forward_default_blocks(submission, reference, draw):
     """the default block sizes"""
     inputs = default_blocks(draw)
     got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+    assert_attention(got, expected, inputs)
+
+
+@pytest.mark.points(0.5)
+@pytest.mark.uses(FORWARD)
+def test_forward_float16(submission, reference, draw):
+    """float16 inputs: out in float16, lse in float32"""
+    inputs = float16_inputs(draw)
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_attention(got, expected, inputs)
 
 
 @pytest.mark.points(1.0)
@@ -245,30 +365,35 @@ def test_work_rule(submission, reference, draw):
 
 
 @pytest.mark.hidden
+@pytest.mark.parametrize("width", WIDTHS, ids=WIDTHS)
 @pytest.mark.points(0.5)
 @pytest.mark.uses(ONLINE)
-def test_online_softmax_random(submission, reference, draw):
-    """random sizes and block sizes"""
-    inputs = softmax_random(draw)
-    got, expected = submission.softmaxes(inputs), reference.softmaxes(inputs)
-    assert_same(got, expected, inputs)
+def test_online_softmax_random(submission, reference, draw, width):
+    """random sizes and block sizes, in float32 and float64"""
+    drawn = softmax_random(draw, width)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.softmaxes(inputs), reference.softmaxes(inputs)
+        assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
+@pytest.mark.parametrize("lengths, edges, causal, blocks", list(FORWARD_CASES.values()), ids=list(FORWARD_CASES))
 @pytest.mark.points(1.0)
 @pytest.mark.uses(FORWARD)
-def test_forward_random(submission, reference, draw):
-    """random sizes, blocks, dtypes, causal or not"""
-    inputs = random_sizes(draw)
-    got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+def test_forward_random(submission, reference, draw, lengths, edges, causal, blocks):
+    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 and float64"""
+    drawn = random_attention(draw, lengths, edges, CAUSAL[causal], blocks, torch.float64)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        got, expected = submission.forward(inputs), reference.forward(inputs)
+        assert_attention(got, expected, inputs)
 
 
 @pytest.mark.hidden
-@pytest.mark.points(1.0)
+@pytest.mark.parametrize("lengths, causal", list(FLOAT16_CASES.values()), ids=list(FLOAT16_CASES))
+@pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
-def test_forward_random_more_queries(submission, reference, draw):
-    """causal with L > S, random sizes"""
-    inputs = random_more_queries(draw)
+def test_forward_float16_random(submission, reference, draw, lengths, causal):
+    """float16 inputs, ragged lengths and given blocks: L < S, L = S, L > S, causal or not"""
+    inputs = random_attention(draw, lengths, EDGES[0], CAUSAL[causal], "given blocks", torch.float16)
     got, expected = submission.forward(inputs), reference.forward(inputs)
-    assert_same(got, expected, inputs)
+    assert_attention(got, expected, inputs)
