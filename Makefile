@@ -6,8 +6,12 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 JB_FLAGS := -W -n --keep-going
+# open: the book as published, into _build/html. class: without the graded answers
+# (tools/class_edition.py), into a build folder and execution cache of its own.
+EDITION ?= open
+CLASS_BUILD := _build/class
 
-.PHONY: book test test-grader lint exercises benchmark clean
+.PHONY: book book-class test test-grader lint exercises benchmark clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +20,19 @@ $(STAMP): requirements.txt requirements-dev.txt
 	touch $@
 
 book: $(STAMP)
+ifeq ($(EDITION),open)
 	$(VENV)/bin/jupyter-book build . $(JB_FLAGS)
+else ifeq ($(EDITION),class)
+	BOOK_EDITION=class $(VENV)/bin/jupyter-book build . $(JB_FLAGS) --path-output $(CLASS_BUILD)
+	touch $(CLASS_BUILD)/built
+else
+	$(error EDITION is open or class, not $(EDITION))
+endif
 
-test: book lint
+book-class:
+	$(MAKE) book EDITION=class
+
+test: book book-class lint
 	$(PY) -m pytest
 
 # The grader's tests alone, without building the book: the exercises' tests on the solutions,

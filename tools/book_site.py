@@ -2,7 +2,8 @@
 
 - Colab opens notebooks, not MyST Markdown: each build writes every executable page as a
   notebook under ``notebooks/`` (committed, so that Colab finds it on GitHub) and points the
-  page's Colab launch button at it.
+  page's Colab launch button at it; a build without a Colab button (the class edition,
+  tools/class_edition.py) writes none.
 - A script that an extension registers after the HTML builder has started reaches the page
   twice (Sphinx 7 adds it once with filename None, once with ''), so sphinx-thebe's
   ``const THEBE_JS_URL`` is declared twice and the browser reports a SyntaxError on every
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 
 import jupytext
+from class_edition import TAG as GRADED_ANSWER_TAG
 from docutils import nodes
 from pydata_sphinx_theme.utils import get_theme_options_dict
 from sphinx.application import Sphinx
@@ -46,6 +48,10 @@ def colab_notebook(markdown: str) -> str:
         notebook.cells[:0] = setup.cells
     for number, cell in enumerate(notebook.cells):
         cell.id = f"cell-{number}"  # stable ids: an unchanged chapter rewrites an identical file
+        if GRADED_ANSWER_TAG in cell.metadata.get("tags", []):  # for the class edition's build only
+            cell.metadata["tags"].remove(GRADED_ANSWER_TAG)
+            if not cell.metadata["tags"]:
+                del cell.metadata["tags"]
     return jupytext.writes(notebook, fmt="ipynb")
 
 
@@ -55,6 +61,8 @@ def _is_executable(app: Sphinx, docname: str) -> bool:
 
 def write_colab_notebooks(app: Sphinx, exception: Exception | None) -> None:
     if exception is not None or app.builder.format != "html":
+        return
+    if not app.config.html_theme_options.get("launch_buttons", {}).get("colab_url"):
         return
     for docname in sorted(app.env.all_docs):
         source = Path(app.env.doc2path(docname))
