@@ -16,7 +16,7 @@ from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
 from autograde.grading.compare import compare_tensor
 from autograde.grading.session import catalogue, max_score
-from autograde.sandbox import wire
+from autograde.sandbox import isolation, wire
 from autograde.sandbox.observe import OtherValue, observe_tensor
 from autograde.submission import extract, forbidden, notebook
 from tests.fixtures.notebooks import sent_inputs
@@ -325,3 +325,19 @@ def test_a_notebook_over_the_size_limit_is_read_without_its_outputs_and_says_so(
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("#" * (notebook.MAX_BYTES + 1))]), path)
     with pytest.raises(notebook.NotebookError, match="without its outputs: more than the 20.0 MiB allowed"):
         notebook.load_with_notes(path)
+
+
+def test_what_refuses_user_namespaces_is_named(tmp_path, monkeypatch):
+    # In the order of USER_NAMESPACE_SETTINGS: AppArmor's restriction on, the clone sysctl permissive,
+    # max_user_namespaces 0.
+    files = []
+    for number, value in enumerate(("1", "1", "0")):
+        files.append(tmp_path / f"setting-{number}")
+        files[-1].write_text(f"{value}\n")
+    monkeypatch.setattr(isolation, "USER_NAMESPACE_SETTINGS", tuple(
+        (str(file), refusing, name) for file, (_, refusing, name) in zip(files, isolation.USER_NAMESPACE_SETTINGS)))
+    assert isolation.user_namespaces_refusal() == (
+        "User namespaces are refused here by AppArmor (kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu's "
+        "default since 23.10) and the sysctl user.max_user_namespaces=0")
+    monkeypatch.setattr(isolation, "USER_NAMESPACE_SETTINGS", ((str(tmp_path / "absent"), "1", "absent"),))
+    assert isolation.user_namespaces_refusal().startswith("No sysctl refuses user namespaces here")

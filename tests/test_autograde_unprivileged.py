@@ -311,10 +311,11 @@ def test_without_user_namespaces_the_grader_refuses_unless_told_and_says_so(sett
 
     refused = setting.grade("lone", wrapper=wrapper, timeout=120)
     assert refused.returncode == 2, (refused.stdout + refused.stderr)[-2000:]
-    assert refused.stderr.count("NOT ISOLATED") == 1 and "--allow-unisolated" in refused.stderr
+    assert refused.stderr.count("NOT ISOLATED") == 1 and "--unsafe-no-isolation" in refused.stderr
+    assert "No sysctl refuses user namespaces here, so a seccomp profile" in refused.stderr
     assert not (setting.out("lone") / "grades.csv").exists()
 
-    allowed = setting.grade("lone", "--allow-unisolated", wrapper=wrapper)
+    allowed = setting.grade("lone", "--unsafe-no-isolation", wrapper=wrapper)
     assert allowed.returncode == 0, (allowed.stdout + allowed.stderr)[-2000:]
     assert allowed.stderr.count("NOT ISOLATED") == 1
     assert "isolation: session+seccomp (" in allowed.stdout

@@ -13,6 +13,7 @@ from autograde.frontends import gradescope, release
 from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
 from autograde.grading import batch, class_report, grade, journal, merge, provenance, report
 from autograde.sandbox import client as sandbox
+from autograde.sandbox import isolation
 
 
 def exercise_of(path: Path):
@@ -111,16 +112,17 @@ def merge_shards(folders: list[Path], out: Path) -> int:
     return 0
 
 
-def isolation_allowed(allow_unisolated: bool) -> bool:
+def isolation_allowed(unsafe_no_isolation: bool) -> bool:
     """Whether to grade here: the submissions can be isolated, or the instructor accepted that they
     cannot. Said once per run, loudly, when they cannot."""
     if sandbox.available_isolation() != "session":
         return True
-    print(f"\n*** {sandbox.UNISOLATED}. ***", file=sys.stderr)
-    if allow_unisolated:
-        print("*** Grading anyway (--allow-unisolated): every grade's notes say so. ***\n", file=sys.stderr)
+    print(f"\n*** {sandbox.UNISOLATED}. {isolation.user_namespaces_refusal()}. ***",
+          file=sys.stderr)
+    if unsafe_no_isolation:
+        print("*** Grading anyway (--unsafe-no-isolation): every grade's notes say so. ***\n", file=sys.stderr)
         return True
-    print("*** Not grading. Run the grader as root, allow user namespaces, or pass --allow-unisolated "
+    print("*** Not grading. Run the grader as root, allow user namespaces, or pass --unsafe-no-isolation "
           "to grade trusted notebooks without isolation. ***\n", file=sys.stderr)
     return False
 
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     grading.add_argument("--resume", action="store_true",
                          help="go on with the run recorded in --out: grade only the notebooks not yet "
                               "recorded (or changed since), with the run's seed")
-    grading.add_argument("--allow-unisolated", action="store_true",
+    grading.add_argument("--unsafe-no-isolation", action="store_true",
                          help="grade even where submissions cannot be isolated (no namespaces, no user "
                               "namespaces): they can then read what you can and reach the network")
     merging = commands.add_parser("merge", help="combine the --out folders of the shards of one class")
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if not args.path.exists():
         parser.error(f"{args.path} is neither a notebook nor a folder")
-    if not isolation_allowed(args.allow_unisolated):
+    if not isolation_allowed(args.unsafe_no_isolation):
         return 2
     if args.path.is_file():
         return grade_one(args.path, choose_seed(args.seed), limits)

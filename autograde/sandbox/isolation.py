@@ -120,6 +120,30 @@ def user_namespaces_work() -> bool:
     return os.waitpid(child, 0)[1] == 0
 
 
+# The settings that refuse user namespaces to a user without privileges: (file, refusing value, name).
+USER_NAMESPACE_SETTINGS = (
+    ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
+     "AppArmor (kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu's default since 23.10)"),
+    ("/proc/sys/kernel/unprivileged_userns_clone", "0", "the sysctl kernel.unprivileged_userns_clone=0"),
+    ("/proc/sys/user/max_user_namespaces", "0", "the sysctl user.max_user_namespaces=0"),
+)
+
+
+def user_namespaces_refusal() -> str:
+    """A sentence naming what refuses user namespaces here, where a setting says so."""
+    named = []
+    for path, refusing, name in USER_NAMESPACE_SETTINGS:
+        try:
+            if Path(path).read_text().strip() == refusing:
+                named.append(name)
+        except OSError:
+            continue
+    if named:
+        return f"User namespaces are refused here by {' and '.join(named)}"
+    return ("No sysctl refuses user namespaces here, so a seccomp profile (a container's default one refuses "
+            "unshare) or another security module does")
+
+
 def available() -> str:
     """How a submission would be isolated here: `namespaces`, `userns` or `session` (see server.py)."""
     if os.getuid() == 0:
