@@ -261,7 +261,8 @@ def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
                     acc = acc * torch.exp(m - safe)[:, None] + torch.einsum("ij,jd->id", p, v[b, h, cols].to(wide))
                     m = m_new
                 seen = total > 0
-                out[b, h, rows] = torch.where(seen[:, None], acc / torch.where(seen, total, 1.0)[:, None], 0.0).to(q.dtype)
+                normalised = acc / torch.where(seen, total, 1.0)[:, None]
+                out[b, h, rows] = torch.where(seen[:, None], normalised, 0.0).to(q.dtype)
                 lse[b, h, rows] = torch.where(seen, m + torch.log(torch.where(seen, total, 1.0)), -math.inf)
     return out, lse
 """}),
