@@ -14,7 +14,6 @@ class through the sandboxed worker.
 from __future__ import annotations
 
 import csv
-import linecache
 import math
 import subprocess
 import sys
@@ -31,9 +30,8 @@ from autograde.grading import grade, reference
 from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
-from autograde.submission import extract
 from tests.fixtures.implementations import Variant, variant_id
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, sent_inputs, write
+from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, run_cells, sent_inputs, write
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -279,16 +277,6 @@ class FlashAttention(torch.autograd.Function):
         return (*flash_attention_backward(*ctx.tensors, dout, causal=ctx.causal), None)
 """}),
 ]
-
-
-def run_cells(notebook) -> dict:
-    """The notebook's code as the worker runs it: cells extracted, sources kept for `inspect`."""
-    namespace = {"__name__": "__main__"}
-    for cell in extract.code_cells(notebook):
-        filename = f"<cell {cell.number}>"
-        linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
-        exec(compile(cell.source, filename, "exec"), namespace)
-    return namespace
 
 
 def grade_in_process(exercise_id: str, answers: dict[str, str]):
