@@ -17,10 +17,15 @@ import torch
 # Tolerance on the largest absolute error, relative to max(1, largest expected magnitude).
 TOLERANCE = {"torch.float64": 1e-10, "torch.float32": 1e-5, "torch.float16": 2e-3, "torch.bfloat16": 2e-2}
 
+# The contract's names first, then the same functions under other names (a private alias, a
+# module that re-exports them, PyTorch's own attention kernels), which a learner could call
+# instead. `forbidden.Tripwire` also stops the operators underneath, whatever calls them.
 NOT_ALLOWED_ATTENTION = (
     "torch.nn.functional.scaled_dot_product_attention",
     "torch.nn.functional.multi_head_attention_forward",
     "torch.nn.MultiheadAttention.forward",
+    "torch._native_multi_head_attention",
+    "torch.nn.attention.flex_attention.flex_attention",
 )
 NOT_ALLOWED_SOFTMAX = (
     "torch.softmax",
@@ -29,6 +34,14 @@ NOT_ALLOWED_SOFTMAX = (
     "torch.logsumexp",
     "torch.Tensor.logsumexp",
     "torch.nn.functional.log_softmax",
+    "torch.Tensor.log_softmax",
+    "torch.log_softmax",
+    "torch._softmax",
+    "torch._log_softmax",
+    "torch.special.softmax",
+    "torch.special.log_softmax",
+    "torch.special.logsumexp",
+    "torch.nn.functional.softmin",
 )
 
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
-from autograde.grading.compare import compare_tensor
+from autograde.grading import grade
+from autograde.grading.compare import CaseResult, compare_tensor
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.observe import OtherValue, observe_tensor
@@ -130,6 +131,18 @@ def test_the_softmax_family_is_found_for_the_exercises_that_forbid_it():
         "torch.Tensor.softmax", "torch.logsumexp", "torch.nn.functional.log_softmax"]
 
 
+@pytest.mark.parametrize("source, names", [
+    ("import torch\ny = torch._softmax(x, -1, False)", NOT_ALLOWED_SOFTMAX),
+    ("y = x.log_softmax(-1)", NOT_ALLOWED_SOFTMAX),
+    ("import torch\ny = torch.special.logsumexp(x, -1)", NOT_ALLOWED_SOFTMAX),
+    ("from torch.nn.functional import softmin\ny = softmin(x, -1)", NOT_ALLOWED_SOFTMAX),
+    ("from torch.nn.attention.flex_attention import flex_attention", NOT_ALLOWED_ATTENTION),
+    ("import torch\nout = torch._native_multi_head_attention(q, k, v, 8, 2, *weights)", NOT_ALLOWED_ATTENTION),
+])
+def test_the_scan_finds_the_same_functions_under_other_names(source, names):
+    assert len(scan(source, names)) == 1
+
+
 def test_only_the_code_the_graded_functions_reach_counts():
     """A check against the library in a scratch cell is the learner's own business; a helper that
     a graded function calls, however far down, is not."""
@@ -166,15 +179,115 @@ def test_the_tripwire_catches_nn_multiheadattention_in_eval_mode_too():
     assert [v.name for v in tripwire.violations] == ["torch.nn.functional.multi_head_attention_forward"]
 
 
-def test_the_tripwire_catches_every_member_of_the_softmax_family():
+SOFTMAX_BY_ANOTHER_NAME = {
+    "Tensor.softmax": lambda x: x.softmax(-1),
+    "torch.softmax": lambda x: torch.softmax(x, -1),
+    "F.softmax": lambda x: F.softmax(x, -1),
+    "torch.logsumexp": lambda x: torch.logsumexp(x, -1),
+    "Tensor.logsumexp": lambda x: x.logsumexp(-1),
+    "F.log_softmax": lambda x: F.log_softmax(x, -1),
+    "Tensor.log_softmax": lambda x: x.log_softmax(-1),
+    "getattr(torch.special, 'soft' + 'max')": lambda x: getattr(torch.special, "soft" + "max")(x, -1),
+    "torch.special.log_softmax": lambda x: torch.special.log_softmax(x, -1),
+    "torch.special.logsumexp": lambda x: torch.special.logsumexp(x, -1),
+    "F.softmin": lambda x: F.softmin(x, -1),
+    "torch._softmax": lambda x: torch._softmax(x, -1, False),
+    "torch.ops.aten._log_softmax": lambda x: torch.ops.aten._log_softmax(x, -1, False),
+    "softmax under DisableTorchFunction": lambda x: _without_torch_functions(torch.softmax, x, -1),
+}
+
+
+def _without_torch_functions(function, *args):
+    with torch._C.DisableTorchFunction():
+        return function(*args)
+
+
+@pytest.mark.parametrize("call", SOFTMAX_BY_ANOTHER_NAME.values(), ids=SOFTMAX_BY_ANOTHER_NAME)
+def test_the_tripwire_stops_the_softmax_family_under_any_name(call):
     x = torch.randn(3, 4)
-    calls = [lambda: x.softmax(-1), lambda: torch.softmax(x, -1), lambda: F.softmax(x, -1),
-             lambda: torch.logsumexp(x, -1), lambda: x.logsumexp(-1), lambda: F.log_softmax(x, -1)]
-    for call in calls:
-        with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire:
-            with pytest.raises(forbidden.ForbiddenCall):
-                call()
-        assert len(tripwire.violations) == 1
+    with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire:
+        with pytest.raises(forbidden.ForbiddenCall):
+            call(x)
+    assert len(tripwire.violations) == 1
+
+
+def _native_mha(x):
+    weights = [torch.randn(12, 4), torch.randn(12), torch.randn(4, 4), torch.randn(4)]
+    return torch._native_multi_head_attention(x, x, x, 4, 2, *weights)
+
+
+ATTENTION_BY_ANOTHER_NAME = {
+    "aten._scaled_dot_product_attention_math": lambda x: torch.ops.aten._scaled_dot_product_attention_math(x, x, x),
+    "aten._scaled_dot_product_flash_attention_for_cpu":
+        lambda x: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(x, x, x),
+    "F.scaled_dot_product_attention under DisableTorchFunction":
+        lambda x: _without_torch_functions(F.scaled_dot_product_attention, x, x, x),
+    "torch._native_multi_head_attention": lambda x: _native_mha(x[0, 0]),
+}
+
+
+@pytest.mark.parametrize("call", ATTENTION_BY_ANOTHER_NAME.values(), ids=ATTENTION_BY_ANOTHER_NAME)
+def test_the_tripwire_stops_pytorchs_attention_kernels_however_they_are_reached(call):
+    x = torch.randn(1, 2, 3, 4)
+    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        with pytest.raises(forbidden.ForbiddenCall):
+            call(x)
+    [violation] = tripwire.violations
+    assert violation.name.split(" ")[0] in NOT_ALLOWED_ATTENTION
+
+
+def test_the_tripwire_lets_attention_written_out_run_forward_and_backward():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        (torch.softmax(q @ q.transpose(-2, -1), -1) @ q).sum().backward()
+    with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire_without_softmax:
+        scores = q @ q.transpose(-2, -1)
+        weights = (scores - scores.amax(-1, keepdim=True)).exp()
+        (weights / weights.sum(-1, keepdim=True) @ q).sum().backward()
+    assert tripwire.violations == tripwire_without_softmax.violations == []
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# forbidden: what is shown to a person (status `review`).
+
+@pytest.mark.parametrize("line, evidence", [
+    ("    with torch.utils._python_dispatch._disable_current_modes():\n        pass", "torch.utils._python_dispatch"),
+    ("    f = torch.ops.aten.mm", "torch.ops.aten.mm"),
+    ("    f = torch._C._nn.linear", "torch._C._nn.linear"),
+    ("    f = getattr(torch.special, 'soft' + 'max')", "getattr(...)"),
+    ("    f = sys.modules['torch']", "sys.modules"),
+    ("    f = importlib.import_module('torch')", "importlib"),
+    ("    f = eval('q')", "eval(...)"),
+])
+def test_the_review_scan_shows_what_reaches_torchs_internals(line, evidence):
+    cells = [("cell 1", "import sys\nimport importlib\nimport torch\nif 'google.colab' in sys.modules:\n    pass\n"),
+             ("cell 2", f"def causal_mask(L, S=None, device=None):\n    return helper()\ndef helper():\n{line}\n"),
+             ("cell 3", "def unused():\n    return torch._C\n")]
+    [found] = forbidden.review(cells, exercises.get("sdpa"))
+    assert found.name.startswith(evidence), found
+
+
+def test_honest_code_and_the_solutions_need_no_review():
+    cells = [("cell 1", "import sys\nimport torch\nif 'google.colab' in sys.modules:\n    pass\n"
+                        "def causal_mask(L, S=None, device=None):\n    return torch.ones(L, S).tril(S - L).bool()\n")]
+    assert forbidden.review(cells, exercises.get("sdpa")) == []
+    for exercise in exercises.EXERCISES.values():
+        solution = nbformat.read(Path("solutions") / exercise.notebook, as_version=4)
+        cells = [(f"cell {i}", cell.source) for i, cell in enumerate(solution.cells) if cell.cell_type == "code"]
+        assert forbidden.review(cells, exercise) == [], exercise.id
+
+
+def test_a_grade_for_review_keeps_its_points_and_says_why():
+    exercise = exercises.get("sdpa")
+    results = (CaseResult("a", 2.0, True, "", ""), CaseResult("b", 3.0, False, "", "", ("wrong",)))
+    graded = grade.Grade(exercise, grade.INCOMPLETE, "stopped", results)
+    evidence = [forbidden.Violation("torch._C", "cell 2, line 4: `f = torch._C`")]
+    reviewed = grade._for_review(graded, evidence)
+    assert (reviewed.status, reviewed.score) == (grade.REVIEW, graded.score) == ("review", 2.0)
+    assert reviewed.reason == "for review: uses torch._C (cell 2, line 4: `f = torch._C`); incomplete: stopped"
+    not_counted = grade.Grade(exercise, grade.NOT_ALLOWED, "uses F.sdpa", results)
+    assert grade._for_review(not_counted, evidence) is not_counted
+    assert grade._for_review(graded, []) is graded
 
 
 # wire: what comes back from the worker is checked before it is believed.

@@ -1,9 +1,12 @@
 """Find the functions an exercise does not allow: statically in the source, and by a tripwire.
 
 `scan` reads the submission's code (an AST walk, nothing runs) and is what the trusted
-process relies on. `Tripwire` is a torch function mode that records calls while the
-submission runs, which catches what the source hides (aliases, `getattr`, a module calling
-one for you, as `nn.MultiheadAttention` calls `F.multi_head_attention_forward`).
+process relies on. `Tripwire` records calls while the submission runs, which catches what the
+source hides: as a torch function mode, aliases, `getattr` and a module calling one for you (as
+`nn.MultiheadAttention` calls `F.multi_head_attention_forward`); as a dispatch mode, the
+operators underneath (`aten._softmax`, PyTorch's attention kernels), however they were reached,
+`torch.ops.aten` or `DisableTorchFunction` included. The tripwire runs in the learner's process,
+which can switch it off: it is advisory, and the scan and the rules' tests are what count.
 Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 `torch.nn.MultiheadAttention.forward` for calling an instance of that module.
 """
@@ -16,7 +19,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Iterable
 
+import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograde.sandbox.observe import learner_line
 
@@ -179,6 +184,57 @@ def scan_graded(cells: Iterable[tuple[str, str]], exercise) -> tuple[list[Violat
     return graded, elsewhere
 
 
+# What honest attention code has no reason to touch, and what goes around the scan and the
+# tripwire: torch's private parts and dispatch machinery, the module table, importing or running
+# code from strings. Found in the code the graded functions reach, it is shown to the instructor.
+_MACHINERY = ("torch.ops", "torch.overrides", "torch.library", "torch.utils._python_dispatch")
+_RUNS_STRINGS = {"exec", "eval", "compile", "__import__"}
+
+
+def _internals(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, str]]:
+    for node in ast.walk(tree):
+        dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
+        if dotted and _root(node) in torch_names:
+            parts = dotted.split(".")
+            private = next((part for part in parts[1:] if part.startswith("_") and not part.startswith("__")), None)
+            if private or any(dotted == m or dotted.startswith(m + ".") for m in _MACHINERY):
+                yield node, dotted
+        elif dotted in ("sys.modules", "sys._getframe"):
+            yield node, dotted
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [module or ""] + [alias.name for alias in node.names]
+            if module and (module.split(".")[0] == "torch" and any(p.startswith("_") for p in module.split("."))
+                           or any(module == m or module.startswith(m + ".") for m in _MACHINERY)) \
+                    or any(n.split(".")[0] in ("importlib", "ctypes") for n in names):
+                yield node, next(n for n in names if n.split(".")[0] in ("importlib", "ctypes")
+                                 or n.split(".")[0] == "torch")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in _RUNS_STRINGS or node.func.id == "getattr" and len(node.args) > 1 and \
+                    _root(node.args[0]) in torch_names and not isinstance(node.args[1], ast.Constant):
+                yield node, f"{node.func.id}(...)"
+
+
+def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
+    """Dynamic access to torch's internals in the code the exercise's functions reach: no rule is
+    broken by itself, but it can go around the tripwire and the rules, so a person should look."""
+    parsed = []
+    for label, source in cells:
+        try:
+            parsed.append((label, source.splitlines(), ast.parse(source)))
+        except SyntaxError:
+            continue
+    torch_names = _torch_aliases(tree for _, _, tree in parsed)
+    found, places = [], set()
+    for label, lines, tree in reachable(parsed, exercise.required):
+        for node, what in _internals(tree, torch_names):
+            where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
+            if where not in places:
+                places.add(where)
+                found.append(Violation(what, where))
+    return sorted(found, key=lambda violation: _order(violation, [label for label, _, _ in parsed]))
+
+
 def resolve(name: str):
     """The object a qualified name refers to, e.g. `torch.Tensor.softmax`."""
     parts = name.split(".")
@@ -193,13 +249,61 @@ def resolve(name: str):
     raise ImportError(name)
 
 
+# The operators underneath a not-allowed function, by the contract's name for it: what reaches
+# them is that function, under whatever name (PyTorch's attention kernels, and `_safe_softmax`,
+# the softmax of its unfused attention; the softmax family's operators).
+_OPERATORS = {
+    "torch.nn.functional.scaled_dot_product_attention": (
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+        "_safe_softmax"),
+    "torch.nn.functional.multi_head_attention_forward": ("_native_multi_head_attention",),
+    "torch.softmax": ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "logsumexp"),
+}
+
+
+def operators(not_allowed: Iterable[str]) -> dict:
+    """The aten operators that `not_allowed` rules out, each with the name it is reported under."""
+    found = {}
+    for name in not_allowed:
+        for operator in _OPERATORS.get(name, ()):
+            packet = getattr(torch.ops.aten, operator, None)  # absent from some builds
+            if packet is not None:
+                found.setdefault(packet, f"{name} (as torch.ops.aten.{operator})")
+    return found
+
+
 class Tripwire(TorchFunctionMode):
-    """While active, a call of a not-allowed torch function is recorded and raises ForbiddenCall."""
+    """While active, a call of a not-allowed torch function, or of an operator underneath one, is
+    recorded and raises ForbiddenCall."""
 
     def __init__(self, not_allowed: Iterable[str]):
         super().__init__()
+        not_allowed = tuple(not_allowed)
         self.targets = {resolve(name): name for name in not_allowed}
         self.violations: list[Violation] = []
+        self._operators = _OperatorTripwire(self, operators(not_allowed))
+
+    def __enter__(self):
+        self._operators.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._operators.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._operators.__exit__(*exc_info)
+
+    def stop(self, name: str):
+        violation = Violation(name, learner_line(traceback.extract_stack()))
+        if violation not in self.violations:
+            self.violations.append(violation)
+        raise ForbiddenCall(f"{name} is not allowed in this exercise")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         try:
@@ -207,8 +311,19 @@ class Tripwire(TorchFunctionMode):
         except TypeError:  # an unhashable callable is none of ours
             name = None
         if name is not None:
-            violation = Violation(name, learner_line(traceback.extract_stack()))
-            if violation not in self.violations:
-                self.violations.append(violation)
-            raise ForbiddenCall(f"{name} is not allowed in this exercise")
+            self.stop(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _OperatorTripwire(TorchDispatchMode):
+    """The dispatch half of a `Tripwire`: below torch functions, so no alias goes around it."""
+
+    def __init__(self, owner: Tripwire, targets: dict):
+        super().__init__()
+        self.owner, self.targets = owner, targets
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = self.targets.get(func.overloadpacket)
+        if name is not None:
+            self.owner.stop(name)
         return func(*args, **(kwargs or {}))
