@@ -284,7 +284,7 @@ def test_a_grade_for_review_keeps_its_points_and_says_why():
     evidence = [forbidden.Violation("torch._C", "cell 2, line 4: `f = torch._C`")]
     reviewed = grade._for_review(graded, evidence)
     assert (reviewed.status, reviewed.score) == (grade.REVIEW, graded.score) == ("review", 2.0)
-    assert reviewed.reason == "for review: uses torch._C (cell 2, line 4: `f = torch._C`); incomplete: stopped"
+    assert reviewed.reason == "uses torch._C (cell 2, line 4: `f = torch._C`); incomplete: stopped"
     not_counted = grade.Grade(exercise, grade.NOT_ALLOWED, "uses F.sdpa", results)
     assert grade._for_review(not_counted, evidence) is not_counted
     assert grade._for_review(graded, []) is graded

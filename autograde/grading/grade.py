@@ -146,7 +146,7 @@ def _for_review(graded: Grade, evidence: list[forbidden.Violation]) -> Grade:
     if not evidence or not graded.counted:
         return graded
     before = graded.reason if graded.status == GRADED else f"{graded.status}: {graded.reason}"
-    reason = "; ".join(filter(None, ["for review: " + "; ".join(v.describe() for v in evidence), before]))
+    reason = "; ".join(filter(None, [*(v.describe() for v in evidence), before]))
     return dataclasses.replace(graded, status=REVIEW, reason=reason)
 
 
