@@ -1,6 +1,7 @@
 """The built book in a real browser, as a reader meets it, on a network that reaches nothing.
 
-Needs the HTML build (`make book`, or set SITE_HTML). SITE_BOOK_ROOT and SITE_TOC point the
+Runs on both editions: the open one (`make book`, or set SITE_HTML) and the class one
+(`make book EDITION=class`, or set SITE_CLASS_HTML). SITE_BOOK_ROOT and SITE_TOC point the
 tests at another checkout and table of contents; screenshots go to test-artifacts/.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ from tests.site_support import (
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK_ROOT = Path(os.environ.get("SITE_BOOK_ROOT", ROOT))
-HTML = Path(os.environ.get("SITE_HTML", BOOK_ROOT / "_build" / "html"))
+EDITIONS = {"open": Path(os.environ.get("SITE_HTML", BOOK_ROOT / "_build" / "html")),
+            # jupyter-book writes into <--path-output>/_build.
+            "class": Path(os.environ.get("SITE_CLASS_HTML", BOOK_ROOT / "_build" / "class" / "_build" / "html"))}
 TOC = Path(os.environ.get("SITE_TOC", BOOK_ROOT / "_toc.yml"))
 ARTIFACTS = ROOT / "test-artifacts"
 CONFIG = yaml.safe_load((BOOK_ROOT / "_config.yml").read_text(encoding="utf-8"))
@@ -92,6 +95,8 @@ class Visit:
 
 @dataclass
 class Site:
+    edition: str
+    html: Path
     base: str
     context: object
     visits: dict[str, Visit]
@@ -124,7 +129,7 @@ def _visit(context, url: str, base: str, screenshot_path: Callable[[dict], Path 
     return visit
 
 
-def _key_page_screenshot(page: str, shown: dict, taken: dict[str, Path]) -> Path | None:
+def _key_page_screenshot(page: str, shown: dict, taken: dict[str, Path], prefix: str) -> Path | None:
     """The introduction, and the first chapter that has both math and a figure."""
     if page == PAGES[0]:
         name = "intro"
@@ -132,20 +137,22 @@ def _key_page_screenshot(page: str, shown: dict, taken: dict[str, Path]) -> Path
         name = "chapter"
     else:
         return None
-    taken[name] = ARTIFACTS / f"{name}.png"
+    taken[name] = ARTIFACTS / f"{prefix}{name}.png"
     return taken[name]
 
 
-@pytest.fixture(scope="session")
-def site():
+@pytest.fixture(scope="session", params=EDITIONS)
+def site(request):
     """Every page of the table of contents, loaded once in headless Chromium from a local server."""
-    if not (HTML / "index.html").exists():
-        pytest.fail(f"no built book at {HTML}: run `make book` first (or set SITE_HTML)", pytrace=False)
+    edition, html = request.param, EDITIONS[request.param]
+    if not (html / "index.html").exists():
+        pytest.fail(f"no built {edition} edition at {html}: run `make book EDITION={edition}` first", pytrace=False)
     from playwright.sync_api import sync_playwright
 
     chromium = ensure_chromium()
     ARTIFACTS.mkdir(exist_ok=True)
-    with serve(HTML) as base, sync_playwright() as playwright:
+    prefix = "" if edition == "open" else f"{edition}-"
+    with serve(html) as base, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
         # A closed network: anything not served by the book's own server is refused, and recorded.
@@ -153,9 +160,9 @@ def site():
                       else route.abort("blockedbyclient"))
         screenshots: dict[str, Path] = {}
         visits = {page: _visit(context, f"{base}{page}.html", base,
-                               lambda shown, page=page: _key_page_screenshot(page, shown, screenshots))
+                               lambda shown, page=page: _key_page_screenshot(page, shown, screenshots, prefix))
                   for page in SITE_PAGES}
-        yield Site(base, context, visits, screenshots)
+        yield Site(edition, html, base, context, visits, screenshots)
         browser.close()
 
 
@@ -201,13 +208,13 @@ def test_internal_links_and_anchors_resolve(site, page):
         if not link.startswith(site.base):
             continue
         parts = urlsplit(link)
-        target = HTML / unquote(parts.path).lstrip("/")
+        target = site.html / unquote(parts.path).lstrip("/")
         if target.is_dir():
             target = target / "index.html"
         if not target.is_file():
             dead.append(f"{link}: no such file")
         elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in element_ids(target):
-            dead.append(f"{link}: no id {unquote(parts.fragment)!r} in {target.relative_to(HTML)}")
+            dead.append(f"{link}: no id {unquote(parts.fragment)!r} in {target.relative_to(site.html)}")
     assert not dead, f"{page}: links that lead nowhere:\n" + "\n".join(dead)
 
 
@@ -233,6 +240,9 @@ def _colab_url(page: str) -> str:
 @pytest.mark.parametrize("page", EXECUTABLE_PAGES)
 def test_colab_button_opens_the_chapters_notebook(site, page):
     colab_links = {link for link in site.visits[page].page["links"] if "colab.research.google.com" in link}
+    if site.edition == "class":  # no launch buttons: the notebooks hold the graded answers
+        assert colab_links == set(), f"{page}: the class edition links to Colab"
+        return
     assert CONFIG["repository"]["url"] == "https://github.com/mha-derived/mha-derived"
     assert colab_links == {_colab_url(page)}, f"{page}: Colab button"
     notebook = BOOK_ROOT / colab_notebook_path(page)
@@ -248,7 +258,7 @@ def test_colab_button_opens_the_chapters_notebook(site, page):
 
 def test_screenshots_of_key_pages(site):
     """Pictures to look at: the introduction, a chapter with math and a figure, and search."""
-    site.screenshots["search"] = ARTIFACTS / "search.png"
+    site.screenshots["search"] = ARTIFACTS / ("search.png" if site.edition == "open" else f"{site.edition}-search.png")
     _visit(site.context, f"{site.base}search.html?q=attention", site.base, lambda shown: site.screenshots["search"])
     for name, path in site.screenshots.items():
         assert path.stat().st_size > 10_000, f"{name}: {path} is (nearly) blank"
