@@ -29,11 +29,12 @@ def nbgrader(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
                           capture_output=True, text=True, timeout=540)
 
 
-def test_nbgrader_validate_passes_on_the_solution_notebooks():
-    notebooks = [str(ROOT / "solutions" / e.notebook) for e in exercises.EXERCISES.values()]
-    process = nbgrader("validate", *notebooks, cwd=ROOT)
+@pytest.mark.parametrize("exercise_id", exercises.EXERCISES)
+def test_nbgrader_validate_passes_on_the_solution_notebooks(exercise_id):
+    """One notebook per call, each within its own time limit: the flash notebooks alone take minutes."""
+    process = nbgrader("validate", str(ROOT / "solutions" / exercises.get(exercise_id).notebook), cwd=ROOT)
     assert process.returncode == 0, process.stderr[-3000:]
-    assert process.stdout.count("Success! Your notebook passes all the tests.") == len(notebooks), process.stdout
+    assert process.stdout.count("Success! Your notebook passes all the tests.") == 1, process.stdout
 
 
 def test_nbgrader_autograde_gives_the_same_points_as_the_grader(class_grades, tmp_path: Path):
