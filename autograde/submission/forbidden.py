@@ -150,6 +150,14 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
     With `roots` (the exercise's functions), only the code they reach counts: their definitions
     and what those use, transitively. One violation per line, however many names it matches.
     """
+    not_allowed = list(not_allowed)
+    return _found(cells, roots, lambda tree, torch_names: (
+        (node, name) for name in not_allowed for node in _uses(tree, name, torch_names)))
+
+
+def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds) -> list[Violation]:
+    """What `finds(tree, torch_names)` yields as (node, name) in the parsable cells (in the code
+    `roots` reach, if given), one violation per line, in the notebook's order."""
     parsed = []
     for label, source in cells:
         try:
@@ -157,16 +165,14 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
         except SyntaxError:
             continue
     torch_names = _torch_aliases(tree for _, _, tree in parsed)
-    nodes = parsed if roots is None else reachable(parsed, roots)
     found: list[Violation] = []
     places: set[str] = set()
-    for name in not_allowed:
-        for label, lines, tree in nodes:
-            for node in _uses(tree, name, torch_names):
-                where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
-                if where not in places:
-                    places.add(where)
-                    found.append(Violation(name, where))
+    for label, lines, tree in parsed if roots is None else reachable(parsed, roots):
+        for node, name in finds(tree, torch_names):
+            where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
+            if where not in places:
+                places.add(where)
+                found.append(Violation(name, where))
     return sorted(found, key=lambda violation: _order(violation, [label for label, _, _ in parsed]))
 
 
@@ -191,24 +197,26 @@ _MACHINERY = ("torch.ops", "torch.overrides", "torch.library", "torch.utils._pyt
 _RUNS_STRINGS = {"exec", "eval", "compile", "__import__"}
 
 
+def _torch_internal(dotted: str, torch_names: set[str]) -> bool:
+    root, *parts = dotted.split(".")
+    if root not in torch_names:
+        return False
+    named = ".".join(["torch", *parts])
+    return any(part.startswith("_") and not part.startswith("__") for part in parts) or \
+        any(named == m or named.startswith(m + ".") for m in _MACHINERY)
+
+
 def _internals(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, str]]:
     for node in ast.walk(tree):
-        dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
-        if dotted and _root(node) in torch_names:
-            parts = dotted.split(".")
-            private = next((part for part in parts[1:] if part.startswith("_") and not part.startswith("__")), None)
-            if private or any(dotted == m or dotted.startswith(m + ".") for m in _MACHINERY):
+        if isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted and (dotted in ("sys.modules", "sys._getframe") or _torch_internal(dotted, torch_names)):
                 yield node, dotted
-        elif dotted in ("sys.modules", "sys._getframe"):
-            yield node, dotted
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module = node.module if isinstance(node, ast.ImportFrom) else None
-            names = [module or ""] + [alias.name for alias in node.names]
-            if module and (module.split(".")[0] == "torch" and any(p.startswith("_") for p in module.split("."))
-                           or any(module == m or module.startswith(m + ".") for m in _MACHINERY)) \
-                    or any(n.split(".")[0] in ("importlib", "ctypes") for n in names):
-                yield node, next(n for n in names if n.split(".")[0] in ("importlib", "ctypes")
-                                 or n.split(".")[0] == "torch")
+            imported = [f"{node.module}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom) \
+                else [alias.name for alias in node.names]
+            yield from ((node, name) for name in imported
+                        if name.split(".")[0] in ("importlib", "ctypes") or _torch_internal(name, {"torch"}))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in _RUNS_STRINGS or node.func.id == "getattr" and len(node.args) > 1 and \
                     _root(node.args[0]) in torch_names and not isinstance(node.args[1], ast.Constant):
@@ -218,21 +226,7 @@ def _internals(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, 
 def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
     """Dynamic access to torch's internals in the code the exercise's functions reach: no rule is
     broken by itself, but it can go around the tripwire and the rules, so a person should look."""
-    parsed = []
-    for label, source in cells:
-        try:
-            parsed.append((label, source.splitlines(), ast.parse(source)))
-        except SyntaxError:
-            continue
-    torch_names = _torch_aliases(tree for _, _, tree in parsed)
-    found, places = [], set()
-    for label, lines, tree in reachable(parsed, exercise.required):
-        for node, what in _internals(tree, torch_names):
-            where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
-            if where not in places:
-                places.add(where)
-                found.append(Violation(what, where))
-    return sorted(found, key=lambda violation: _order(violation, [label for label, _, _ in parsed]))
+    return _found(cells, exercise.required, _internals)
 
 
 def resolve(name: str):
