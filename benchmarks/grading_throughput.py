@@ -2,6 +2,7 @@
 
     python -m benchmarks.grading_throughput                       # 50 students, every assignment
     python -m benchmarks.grading_throughput --students 2 --assignment attention   # a smoke run
+    python -m benchmarks.grading_throughput --students 500 --nbgrader-students 20    # a large class
 
 It writes a synthetic class in a temporary folder, in nbgrader's layout
 `submitted/<student>/<assignment>/<exercise>.ipynb`: every student hands in every exercise of
@@ -14,8 +15,12 @@ that fits the exercise). Then, one after the other in the same run, it times
    one notebook after the other), for each assignment, with `AUTOGRADE_SEED=S` so that its
    hidden tests draw the same inputs.
 
+With `--nbgrader-students K`, nbgrader grades only the first K students (it takes about 20 times
+longer per notebook), and the grader grades them again on their own, so that the ratio compares
+the same notebooks, timed one after the other in the same run.
+
 It prints the machine, the wall time of each and per notebook, nbgrader's time over the
-grader's, and the (student, exercise) pairs where the two give different points: the test
+grader's on the same notebooks, and the (student, exercise) pairs where the two give different points: the test
 cells and the grader run the same tests, so any disagreement is a bug in one of them, and the
 command then exits 1. `--json PATH` also writes the numbers and every pair's points.
 """
@@ -186,27 +191,42 @@ def points_side_by_side(submissions: list[Submission], ours: dict, theirs: dict)
 
 
 def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, skip_nbgrader: bool,
-                  folder: Path) -> dict:
-    """Write the class under `folder`, grade it with both, and return the report (plain data)."""
+                  folder: Path, nbgrader_students: int | None = None) -> dict:
+    """Write the class under `folder`, grade it with the grader, then the first `nbgrader_students`
+    (default: all) with both, and return the report (plain data)."""
     machine = machine_description()  # before grading: the load average is then other people's
     submitted = folder / "submitted"
     submissions = write_class(submitted, students, assignments, seed)
     notebooks = len(submissions)
     ours_seconds, ours = grade_with_autograde(submitted, folder / "grades", seed, jobs)
+    subset_students = min(nbgrader_students or students, students)
     report = {
         "machine": machine,
         "students": students, "assignments": assignments, "notebooks": notebooks, "seed": seed, "jobs": jobs,
         "mix": {kind: sum(s.kind.split(":")[0] == kind for s in submissions) for kind in MIX},
         "autograde_seconds": ours_seconds, "autograde_seconds_per_notebook": ours_seconds / notebooks,
+        "nbgrader_students": subset_students, "nbgrader_notebooks": None, "autograde_subset_seconds": None,
         "nbgrader_seconds": None, "nbgrader_seconds_per_notebook": None, "nbgrader_over_autograde": None,
         "grades": None, "disagreements": None,
     }
-    if not skip_nbgrader:
-        nbgrader_seconds, theirs = grade_with_nbgrader(submitted, folder / "course", assignments, seed, submissions)
-        grades = points_side_by_side(submissions, ours, theirs)
-        report.update(nbgrader_seconds=nbgrader_seconds, nbgrader_seconds_per_notebook=nbgrader_seconds / notebooks,
-                      nbgrader_over_autograde=nbgrader_seconds / ours_seconds,
-                      grades=grades, disagreements=[row for row in grades if not row["agree"]])
+    if skip_nbgrader:
+        return report
+    subset, subset_seconds = submissions, ours_seconds
+    if subset_students < students:
+        names = sorted({s.student for s in submissions})[:subset_students]
+        subset = [s for s in submissions if s.student in names]
+        submitted = folder / "subset"
+        for name in names:
+            shutil.copytree(folder / "submitted" / name, submitted / name)
+        subset_seconds, subset_points = grade_with_autograde(submitted, folder / "subset-grades", seed, jobs)
+        if subset_points != {key: ours[key] for key in subset_points}:
+            raise RuntimeError("the grader gave the subset other points than the whole class")
+    nbgrader_seconds, theirs = grade_with_nbgrader(submitted, folder / "course", assignments, seed, subset)
+    grades = points_side_by_side(subset, ours, theirs)
+    report.update(nbgrader_notebooks=len(subset), autograde_subset_seconds=subset_seconds,
+                  nbgrader_seconds=nbgrader_seconds, nbgrader_seconds_per_notebook=nbgrader_seconds / len(subset),
+                  nbgrader_over_autograde=nbgrader_seconds / subset_seconds,
+                  grades=grades, disagreements=[row for row in grades if not row["agree"]])
     return report
 
 
@@ -223,13 +243,19 @@ def markdown(report: dict) -> str:
     ]
     if report["nbgrader_seconds"] is None:
         return "\n".join(lines + ["", "nbgrader: skipped"])
-    found = report["disagreements"]
+    found, subset = report["disagreements"], report["nbgrader_notebooks"]
+    if subset < report["notebooks"]:
+        lines.append(f"| the same, first {report['nbgrader_students']} students only | "
+                     f"{report['autograde_subset_seconds']:.1f} | {report['autograde_subset_seconds'] / subset:.2f} |")
+        compared = f"the first {report['nbgrader_students']} students"
+    else:
+        compared = "the whole class"
     lines += [
-        f"| `nbgrader generate_assignment` + `autograde` (sequential) | {report['nbgrader_seconds']:.1f} "
+        f"| `nbgrader generate_assignment` + `autograde` (sequential), {compared} | {report['nbgrader_seconds']:.1f} "
         f"| {report['nbgrader_seconds_per_notebook']:.2f} |",
         "",
-        f"nbgrader / autograde: {report['nbgrader_over_autograde']:.2f}x",
-        f"points that differ: {len(found)} of {report['notebooks']} (student, exercise) pairs",
+        f"nbgrader / autograde on {compared}: {report['nbgrader_over_autograde']:.2f}x",
+        f"points that differ: {len(found)} of {subset} (student, exercise) pairs",
     ]
     lines += [f"  - {d['student']} {d['exercise']} ({d['submission']}): autograde {d['autograde']}, "
               f"nbgrader {d['nbgrader']}" for d in found[:SHOWN_DISAGREEMENTS]]
@@ -246,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=12345, help="draws the class and the hidden tests' inputs")
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--skip-nbgrader", action="store_true", help="time the grader alone")
+    parser.add_argument("--nbgrader-students", type=int, metavar="K",
+                        help="nbgrader (and the grader again) grade only the first K students (default: all)")
     args = parser.parse_args(argv)
     assignments = [a for a in ASSIGNMENTS if a in (args.assignment or ASSIGNMENTS)]
 
     with tempfile.TemporaryDirectory(prefix="grading-throughput-") as folder:
-        report = run_benchmark(args.students, assignments, args.jobs, args.seed, args.skip_nbgrader, Path(folder))
+        report = run_benchmark(args.students, assignments, args.jobs, args.seed, args.skip_nbgrader, Path(folder),
+                               args.nbgrader_students)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -53,7 +53,7 @@ def test_the_markdown_table_puts_both_graders_side_by_side(report):
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 4 and "seconds per notebook" in table[0]
     assert "autograde grade" in table[2] and "nbgrader" in table[3]
-    assert "nbgrader / autograde:" in text and f"points that differ: 0 of {len(PAIRS)}" in text
+    assert "nbgrader / autograde on the whole class:" in text and f"points that differ: 0 of {len(PAIRS)}" in text
 
 
 def test_a_difference_in_points_is_reported():
@@ -81,3 +81,16 @@ def test_skip_nbgrader_times_the_grader_alone_and_writes_json(tmp_path: Path, ca
     written = json.loads(path.read_text())
     assert written["notebooks"] == 2 and written["autograde_seconds"] > 0 and written["nbgrader_seconds"] is None
     assert "nbgrader: skipped" in capsys.readouterr().out
+
+
+def test_nbgrader_and_the_grader_can_be_compared_on_the_first_students(tmp_path: Path):
+    subset = benchmark.run_benchmark(STUDENTS, [ASSIGNMENT], jobs=2, seed=SEED, skip_nbgrader=False,
+                                     folder=tmp_path, nbgrader_students=1)
+    assert subset["notebooks"] == len(PAIRS) and subset["nbgrader_notebooks"] == 2
+    assert {(row["student"], row["exercise"]) for row in subset["grades"]} == {
+        ("student001", "sdpa"), ("student001", "mha")}
+    assert subset["disagreements"] == [], subset["disagreements"]
+    assert subset["nbgrader_over_autograde"] == pytest.approx(
+        subset["nbgrader_seconds"] / subset["autograde_subset_seconds"])
+    table = [line for line in benchmark.markdown(subset).splitlines() if line.startswith("|")]
+    assert len(table) == 5 and "first 1 students only" in table[3] and "nbgrader" in table[4]
