@@ -2,7 +2,8 @@
 
 In the course's own folder (a clone, or an editable install) they sit beside the `autograde`
 package. With the package installed elsewhere, they are found in the current folder or one of
-its parents, or where $AUTOGRADE_COURSE says.
+its parents, or where $AUTOGRADE_COURSE says. A class's copy of the course may hold
+`exercises/` alone: the learners' checks then use the expected values released with them.
 """
 
 from __future__ import annotations
@@ -18,25 +19,36 @@ class CourseNotFound(FileNotFoundError):
 
 
 def _is_course(folder: Path) -> bool:
-    return (folder / "solutions").is_dir() and (folder / "exercises").is_dir()
+    return (folder / "exercises").is_dir()
 
 
 def root() -> Path:
     given = os.environ.get(VARIABLE)
     if given:
         if not _is_course(Path(given)):
-            raise CourseNotFound(f"${VARIABLE} is {given}, which holds no solutions/ and exercises/ folders")
+            raise CourseNotFound(f"${VARIABLE} is {given}, which holds no exercises/ folder")
         return Path(given).resolve()
     here = Path.cwd()
     for folder in (Path(__file__).resolve().parent.parent, here, *here.parents):
         if _is_course(folder):
             return folder
-    raise CourseNotFound("the course's solutions/ and exercises/ folders were not found: run this from the "
+    raise CourseNotFound("the course's exercises/ folder was not found: run this from the "
                          f"course's folder (or one inside it), or set {VARIABLE} to it")
 
 
+def has_solutions() -> bool:
+    try:
+        return (root() / "solutions").is_dir()
+    except CourseNotFound:
+        return False
+
+
 def solutions() -> Path:
-    return root() / "solutions"
+    folder = root() / "solutions"
+    if not folder.is_dir():
+        raise CourseNotFound(f"{root()} holds the exercises without their solutions (a class's copy of the "
+                             "course): grading and releasing need the instructor's copy, with solutions/")
+    return folder
 
 
 def exercises() -> Path:

@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 from autograde import registry as exercises
 from autograde.frontends import release
+from autograde.grading import expected
 from autograde.grading.session import catalogue
+from autograde.sandbox.observe import TensorValue
 from tests.fixtures.notebooks import ROOT, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,6 +106,28 @@ def test_the_exercises_are_generated_from_the_solutions(tmp_path: Path):
         generated = nbformat.read(tmp_path / path, as_version=4)
         on_disk = nbformat.read(ROOT / "exercises" / path, as_version=4)
         assert comparable(generated) == comparable(on_disk), f"exercises/{path} is stale"
+    for exercise in exercises.EXERCISES.values():
+        fresh_values, committed_values = (expected.read(expected.path(exercise, folder))
+                                          for folder in (tmp_path, ROOT / "exercises"))
+        assert fresh_values.keys() == committed_values.keys(), f"{exercise.id}'s released expected values are stale"
+        for key, value in fresh_values.items():
+            assert same_observation(value, committed_values[key]), f"{exercise.id}'s released expected values are stale"
+
+
+def same_observation(a, b) -> bool:
+    """Equal, floats within 1e-12 relative: another CPU may round the solution's float64 a last bit apart."""
+    if isinstance(a, TensorValue) and isinstance(b, TensorValue):
+        floats = a.array.dtype.kind == "f"
+        return (a.shape, a.dtype) == (b.shape, b.dtype) and (
+            np.allclose(a.array, b.array, rtol=1e-12, atol=1e-300, equal_nan=True) if floats
+            else np.array_equal(a.array, b.array))
+    if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        return all(same_observation(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return all(same_observation(a[key], b[key]) for key in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return np.isclose(a, b, rtol=1e-12, atol=0, equal_nan=True)
+    return a == b
 
 
 def test_every_exercise_has_its_source_and_released_notebooks():

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path.relative_to(course.root())}")
         return 0
     try:  # the references and the release: without them nothing can be graded
-        course.root()
+        course.solutions()
     except course.CourseNotFound as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -5,7 +5,9 @@ First the solution notebooks' autograded test cells are written from the exercis
 `run("<id>", "<test>", globals())`, hidden tests between nbgrader's hidden-test markers. Then
 nbgrader's `generate_assignment` runs in a temporary course folder (its `source/` a copy of
 `solutions/`), and its `release/` notebooks replace those in `exercises/`. No gradebook is
-kept: the release needs none, and instructors keep their own.
+kept: the release needs none, and instructors keep their own. Last, each exercise's visible
+tests run on the solution, and what the reference returned is written beside the notebook
+(`grading.expected`), for learners' checks in a copy of the course without `solutions/`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from traitlets.config import Config
 
 from autograde import course, registry
 from autograde.cases import Exercise
+from autograde.grading import expected
 from autograde.grading.session import TestInfo, catalogue
 
 TEST_CELL = "test-"  # how the grade ids of the autograded test cells start
@@ -99,4 +102,7 @@ def release(solutions: Path | None = None, exercises: Path | None = None) -> lis
             target = exercises / notebook.parent.name
             target.mkdir(parents=True, exist_ok=True)
             written.append(Path(shutil.copy(notebook, target)))
+    for exercise in registry.EXERCISES.values():
+        if (solutions / exercise.notebook).exists():
+            written.append(expected.write(exercise, exercises))
     return written

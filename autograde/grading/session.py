@@ -20,8 +20,9 @@ import pytest
 
 from autograde import course, registry
 from autograde.cases import Exercise
+from autograde.grading import expected
 from autograde.grading.compare import CaseResult, total
-from autograde.grading.proxies import LearnerFailed, Reference, SandboxedSubmission, _Proxy
+from autograde.grading.proxies import LearnerFailed, SandboxedSubmission, _Proxy
 from autograde.sandbox.observe import Failure
 from autograde.submission.forbidden import Violation
 
@@ -67,15 +68,15 @@ class Session:
     results: dict[str, CaseResult] = field(default_factory=dict)
     catalogue: list[TestInfo] = field(default_factory=list)
     submission: _Proxy | None = None
-    references: dict[str, Reference] = field(default_factory=dict)
+    own_reference: _Proxy | None = None  # None: the process's reference for the exercise
 
     def open(self) -> _Proxy:
         if self.submission is None:
             self.submission = self.open_submission()
         return self.submission
 
-    def reference(self) -> Reference:
-        return _reference(self.exercise)
+    def reference(self) -> _Proxy:
+        return self.own_reference or _reference(self.exercise)
 
     def close(self) -> None:
         if isinstance(self.submission, SandboxedSubmission):
@@ -105,13 +106,13 @@ class Session:
             self.close()
 
 
-_references: dict[str, Reference] = {}
+_references: dict[str, _Proxy] = {}
 
 
-def _reference(exercise: Exercise) -> Reference:
+def _reference(exercise: Exercise) -> _Proxy:
     """One per exercise and process: it caches what the solution returned for each call."""
     if exercise.id not in _references:
-        _references[exercise.id] = Reference(exercise)
+        _references[exercise.id] = expected.reference_for(exercise)
     return _references[exercise.id]
 
 
