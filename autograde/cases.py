@@ -8,8 +8,10 @@ inputs with `Draw` from a seed (`test_seed`) and passes them around as `Inputs`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -123,6 +125,20 @@ class Exercise:
     def notebook(self) -> str:
         """Path of the notebook relative to `solutions/`, `exercises/` and a student folder."""
         return f"{self.assignment}/{self.id}.ipynb"
+
+
+def submission_seed(secret: int, submitter: str) -> int:
+    """The hidden tests' seed for one submitter: an HMAC of their name keyed by the instructor's
+    secret seed. Classmates draw different hidden inputs, so that one student's tell nothing of
+    another's; a regrade draws the same; without the secret none can be reproduced."""
+    digest = hmac.new(str(secret).encode(), submitter.encode("utf-8", "surrogateescape"), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def submitter_of(notebook: Path) -> str:
+    """Who handed a notebook in, from the layout `<submitter>/<assignment>/<notebook>` that the
+    grader's `submitted/` folder and nbgrader's share (nbgrader runs it in `<submitter>/<assignment>/`)."""
+    return notebook.absolute().parent.parent.name
 
 
 def test_seed(exercise_id: str, test_name: str, hidden_seed: int | None) -> int:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autograde import cases
 from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
 from autograde.grading import grade
@@ -454,3 +455,35 @@ def test_what_refuses_user_namespaces_is_named(tmp_path, monkeypatch):
         "default since 23.10) and the sysctl user.max_user_namespaces=0")
     monkeypatch.setattr(isolation, "USER_NAMESPACE_SETTINGS", ((str(tmp_path / "absent"), "1", "absent"),))
     assert isolation.user_namespaces_refusal().startswith("No sysctl refuses user namespaces here")
+
+
+# Hidden inputs per submitter: the instructor's secret seed keys an HMAC of the submitter's name.
+
+def test_each_submitter_draws_other_hidden_inputs_and_a_regrade_the_same():
+    seeds = {who: cases.submission_seed(12345, who) for who in ("ada", "bert", "")}
+    assert len(set(seeds.values())) == 3
+    assert cases.submission_seed(12345, "ada") == seeds["ada"] != cases.submission_seed(12346, "ada")
+    draws = [cases.Draw(cases.test_seed("sdpa", "hidden-random", seed)).normal(4) for seed in seeds.values()]
+    assert not torch.equal(draws[0], draws[1])
+
+
+def test_the_grader_nbgrader_and_pytest_name_the_same_submitter(tmp_path, monkeypatch):
+    from autograde.frontends import nbgrader as nbgrader_cells
+
+    notebook_path = tmp_path / "autograded" / "ada" / "attention" / "sdpa.ipynb"
+    assert cases.submitter_of(notebook_path) == "ada"
+    notebook_path.parent.mkdir(parents=True)
+    monkeypatch.chdir(notebook_path.parent)  # where nbgrader runs the notebook
+    monkeypatch.setenv("AUTOGRADE_SEED", "12345")
+    assert nbgrader_cells.graded_seed() == cases.submission_seed(12345, "ada") == nbgrader_cells.hidden_seed()
+    monkeypatch.delenv("AUTOGRADE_SEED")
+    assert nbgrader_cells.graded_seed() is None
+
+
+def test_gradescope_names_the_submitter_by_the_users_ids(tmp_path):
+    from autograde.frontends import gradescope
+
+    assert gradescope.submitter(tmp_path) == ""  # no metadata: one seed for all, still the instructor's secret
+    (tmp_path / "submission_metadata.json").write_text(json.dumps({"users": [{"id": 7, "name": "B"},
+                                                                             {"id": 3, "name": "A"}]}))
+    assert gradescope.submitter(tmp_path) == "3,7"

@@ -11,7 +11,8 @@ the instructor's seed. For each submission, `run_autograder` calls
     python -m autograde.frontends.gradescope grade --root /autograder
 
 which finds the exercise notebooks among the uploaded files by name, grades them with the
-same sandboxed pipeline as `python -m autograde grade` (`grade.grade_notebook`)
+same sandboxed pipeline as `python -m autograde grade` (`grade.grade_notebook`), the hidden
+inputs drawn for the submitter (their Gradescope ids, keyed by the seed)
 and writes `results/results.json` in Gradescope's format
 (https://gradescope-autograders.readthedocs.io/en/latest/specs/): visible tests in detail at
 once, hidden tests by name and result once the instructor publishes the grades. How to deploy
@@ -199,6 +200,16 @@ def results_json(grades: list[tuple[grade.Grade, Found]], notes: list[str], seco
     }
 
 
+def submitter(root: Path) -> str:
+    """Who submitted, for the hidden tests' seed: the Gradescope ids of the submission's users
+    (`submission_metadata.json`, written by Gradescope before anything of the submission runs)."""
+    try:
+        users = json.loads((root / "submission_metadata.json").read_text())["users"]
+        return ",".join(sorted(str(user["id"]) for user in users))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def grade_submission(root: Path) -> dict:
     """Grade `<root>/submission` with the seed and assignments of the zip; write and return the results."""
     started = time.monotonic()
@@ -206,6 +217,7 @@ def grade_submission(root: Path) -> dict:
     seed, exercises = config["seed"], [e for e in EXERCISES.values() if e.assignment in config["assignments"]]
     print(f"grading {root / 'submission'} with the course in {COURSE}: {', '.join(config['assignments'])}")
     found, notes = find_all(exercises, root / "submission")
+    who = submitter(root)
     grades = []
     with tempfile.TemporaryDirectory(prefix="gradescope-") as folder:
         private = Path(folder)
@@ -214,7 +226,7 @@ def grade_submission(root: Path) -> dict:
         paths = [private_copy(f.path, private) if f.path else private / "missing" / f"{e.id}.ipynb"
                  for e, f in zip(exercises, found)]
         for exercise, f, path in zip(exercises, found, paths):
-            graded = grade.grade_notebook(path, exercise, seed)
+            graded = grade.grade_notebook(path, exercise, seed, submitter=who)
             print(f"\n{f.note}\n{report.grade_text(graded, None)}", flush=True)
             grades.append((graded, f))
     results = results_json(grades, notes, time.monotonic() - started)

@@ -3,7 +3,8 @@
 A test cell calls `run("sdpa", "no-mask", globals())`: it passes silently, or raises
 AssertionError with what is wrong, which nbgrader counts as 0 points for the cell. Hidden
 tests draw their inputs from the environment variable AUTOGRADE_SEED (the instructor's seed,
-the same as `python -m autograde grade --seed`), so that nbgrader and the grader agree.
+the same as `python -m autograde grade --seed`) and the student, whose folder nbgrader runs
+the notebook in (`<student>/<assignment>/`), so that nbgrader and the grader agree.
 As in the grader, a not-allowed call in any test of the exercise makes every test cell fail,
 those before the test that made it too.
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 from autograde import registry
-from autograde.cases import Exercise
+from autograde.cases import Exercise, submission_seed, submitter_of
 from autograde.frontends.check import run_in_kernel
 from autograde.grading.compare import total
 from autograde.grading.session import SEED_VARIABLE, catalogue, hidden_seed_from_environment
@@ -30,10 +32,16 @@ def choose_seed(given: int | None) -> int:
     return secrets.randbelow(2**32)
 
 
+def graded_seed() -> int | None:
+    """The hidden tests' seed when nbgrader grades: the instructor's, for the student whose folder this is."""
+    secret = hidden_seed_from_environment()
+    return None if secret is None else submission_seed(secret, submitter_of(Path.cwd() / "notebook.ipynb"))
+
+
 def hidden_seed() -> int:
-    value = os.environ.get(SEED_VARIABLE)
-    if value is not None:
-        return int(value)
+    seed = graded_seed()
+    if seed is not None:
+        return seed
     seed = secrets.randbelow(2**32)
     print(f"{SEED_VARIABLE} is not set: hidden inputs drawn with seed {seed}")
     return seed
@@ -47,7 +55,7 @@ def violations_in_any_test(exercise: Exercise, namespace: dict) -> list[forbidde
     key = (exercise.id, tuple(id(namespace.get(name)) for name in exercise.required))
     if key not in _swept:
         # Grading (a seed is set): every test. A learner running the notebook: the visible ones.
-        seed = hidden_seed_from_environment()
+        seed = graded_seed()
         _, violations, _ = run_in_kernel(exercise, namespace, seed, visible_only=seed is None)
         _swept[key] = violations
     return _swept[key]

@@ -129,7 +129,7 @@ def grade_one(submitted: Path, student: str, exercise: Exercise, seed: int, limi
     started = time.monotonic()
     try:
         path, notes = located(submitted, student, exercise)
-        grade = grade_notebook(path, exercise, seed, limits)
+        grade = grade_notebook(path, exercise, seed, limits, submitter=student)
         return dataclasses.replace(grade, notes=notes + grade.notes, seconds=round(time.monotonic() - started, 3))
     except Exception as exc:  # the grader's own fault on this notebook; the others go on
         where = traceback.extract_tb(exc.__traceback__)[-1]

@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograde.cases import Exercise
+from autograde.cases import Exercise, submission_seed, submitter_of
 from autograde.grading.compare import CaseResult, total
 from autograde.grading.proxies import SandboxedSubmission, _Proxy
 from autograde.grading.session import Blocked, Session, catalogue
@@ -113,7 +113,9 @@ def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandb
 
 
 def grade_notebook(path: Path, exercise: Exercise, seed: int,
-                   limits: sandbox.Limits = sandbox.Limits()) -> Grade:
+                   limits: sandbox.Limits = sandbox.Limits(), submitter: str | None = None) -> Grade:
+    """`seed`: the instructor's secret; the hidden tests draw from `submission_seed(seed, submitter)`,
+    the submitter by default read from the path (`<submitter>/<assignment>/<notebook>`)."""
     if path.is_symlink():
         return not_run(exercise, INVALID, f"{exercise.notebook} is a symbolic link, not a notebook")
     if path.is_dir():
@@ -132,7 +134,8 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
     if violations:
         return not_run(exercise, NOT_ALLOWED, _not_allowed_reason(violations), changed)
     session = Session(exercise, lambda: SandboxedSubmission(
-        exercise, [(cell.number, cell.source) for cell in cells], limits), seed)
+        exercise, [(cell.number, cell.source) for cell in cells], limits),
+        submission_seed(seed, submitter_of(path) if submitter is None else submitter))
     code = session.run()
     graded = _grade(session, limits, code)
     evidence = forbidden.review([(cell.label, cell.source) for cell in cells], exercise)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from autograde import registry
-from autograde.cases import Draw, test_seed
+from autograde.cases import Draw, submission_seed, submitter_of, test_seed
 from autograde.grading.compare import CaseResult
 from autograde.grading.proxies import LearnerFailed
 from autograde.grading.session import (
@@ -72,7 +72,9 @@ def _session(config, exercise) -> Session:
         seed = config.getoption("--seed")
         seed = seed if seed is not None else hidden_seed_from_environment()
         path = config.getoption("--notebook") or default_notebook(exercise)
-        sessions[exercise.id] = Session(exercise, lambda: open_notebook(exercise, path), seed,
+        # The hidden inputs the grader drew for this notebook: the submitter's, from its path.
+        hidden = None if seed is None else submission_seed(seed, submitter_of(Path(path)))
+        sessions[exercise.id] = Session(exercise, lambda: open_notebook(exercise, path), hidden,
                                         config.getoption("--visible-only"))
     return sessions[exercise.id]
 
