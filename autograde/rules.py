@@ -98,7 +98,7 @@ def _same(tensor: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 class TritonLaunches:
-    """While active, `count` is the number of Triton kernel launches (`kernel[grid](...)`).
+    """While active, `count` is the number of Triton kernel launches (`kernel[grid](...)`) that ran to the end.
 
     Compiled kernels (`JITFunction`) and those of the interpreter (`InterpretedFunction`,
     TRITON_INTERPRET=1) both launch through their `run` method, which is wrapped here.
@@ -118,9 +118,11 @@ class TritonLaunches:
 
     def _counting(self, original):
         def run(kernel, *args, **kwargs):
+            launched = original(kernel, *args, **kwargs)
+            # Counted once it has run: a launch that raises (and is caught) computed nothing.
             if not kwargs.get("warmup"):
                 self.count += 1
-            return original(kernel, *args, **kwargs)
+            return launched
         return run
 
     def __exit__(self, *exc) -> None:

@@ -488,6 +488,14 @@ def test_triton_launches_are_counted():
     assert launches.count == 0
 
 
+def test_a_triton_launch_that_raises_is_not_counted():
+    """A launch made only to be counted, its error caught, computed nothing."""
+    with rules.TritonLaunches() as launches:
+        with pytest.raises(Exception):
+            TRITON_REF["flash_attention_kernel"][(1,)]()
+    assert launches.count == 0
+
+
 
 def test_reference_float16_keeps_float32_state_and_a_float32_lse():
     """float16 inputs: out in float16 within float16's rounding of float64 attention, lse in float32 within
