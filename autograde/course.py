@@ -19,7 +19,9 @@ class CourseNotFound(FileNotFoundError):
 
 
 def _is_course(folder: Path) -> bool:
-    return (folder / "exercises").is_dir()
+    """The instructor's copy (solutions/ and exercises/), or a class's (exercises/ with their expected values)."""
+    exercises = folder / "exercises"
+    return exercises.is_dir() and ((folder / "solutions").is_dir() or any(exercises.glob("*/*.expected.zip")))
 
 
 def root() -> Path:
