@@ -20,9 +20,9 @@ longer per notebook), and the grader grades them again on their own, so that the
 the same notebooks, timed one after the other in the same run.
 
 It prints the machine, the wall time of each and per notebook, nbgrader's time over the
-grader's on the same notebooks, and the (student, exercise) pairs where the two give different points: the test
-cells and the grader run the same tests, so any disagreement is a bug in one of them, and the
-command then exits 1. `--json PATH` also writes the numbers and every pair's points.
+grader's on the same notebooks, and the (student, exercise) pairs where the two give different
+points: the test cells and the grader run the same tests, so any disagreement is a bug in one
+of them, and the command then exits 1. `--json PATH` also writes the numbers and every pair's points.
 """
 
 from __future__ import annotations

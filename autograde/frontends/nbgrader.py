@@ -35,6 +35,7 @@ def choose_seed(given: int | None) -> int:
 def graded_seed() -> int | None:
     """The hidden tests' seed when nbgrader grades: the instructor's, for the student whose folder this is."""
     secret = hidden_seed_from_environment()
+    # nbgrader runs the notebook in its folder, `<student>/<assignment>/`: the notebook's name does not matter.
     return None if secret is None else submission_seed(secret, submitter_of(Path.cwd() / "notebook.ipynb"))
 
 

@@ -53,7 +53,7 @@ def write(exercise: Exercise, exercises: Path | None = None) -> Path:
         index = {key: wire.encode_result(value, folder, names) for key, value in sorted(record(exercise).items())}
         wire.write_json(folder / INDEX, index)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+        with zipfile.ZipFile(target, "w") as archive:
             for file in sorted(folder.iterdir(), key=lambda p: p.name):
                 archive.writestr(zipfile.ZipInfo(file.name, ZIP_TIME), file.read_bytes(), zipfile.ZIP_DEFLATED)
     return target
@@ -96,4 +96,3 @@ def reference_for(exercise: Exercise) -> _Proxy:
     if course.has_solutions() and (course.solutions() / exercise.notebook).is_file():
         return Reference(exercise)
     return Released(exercise)
-
