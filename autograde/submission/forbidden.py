@@ -3,10 +3,11 @@
 `scan` reads the submission's code (an AST walk, nothing runs) and is what the trusted
 process relies on. `Tripwire` records calls while the submission runs, which catches what the
 source hides: as a torch function mode, aliases, `getattr` and a module calling one for you (as
-`nn.MultiheadAttention` calls `F.multi_head_attention_forward`); as a dispatch mode, the
-operators underneath (`aten._softmax`, PyTorch's attention kernels), however they were reached,
-`torch.ops.aten` or `DisableTorchFunction` included. The tripwire runs in the learner's process,
-which can switch it off: it is advisory, and the scan and the rules' tests are what count.
+`nn.MultiheadAttention` calls `F.multi_head_attention_forward`); by replacing the kernels of the
+operators underneath (`aten._softmax`, PyTorch's attention kernels) in the dispatcher, those
+operators however they were reached, `torch.ops.aten` or `DisableTorchFunction` included. The
+tripwire runs in the learner's process, which can switch it off: it is advisory, and the scan and
+the rules' tests are what count.
 Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 `torch.nn.MultiheadAttention.forward` for calling an instance of that module.
 """
@@ -16,12 +17,12 @@ from __future__ import annotations
 import ast
 import importlib
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograde.sandbox.observe import learner_line
 
@@ -309,15 +310,49 @@ class Tripwire(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _OperatorTripwire(TorchDispatchMode):
-    """The dispatch half of a `Tripwire`: below torch functions, so no alias goes around it."""
+# The dispatch keys an operator's kernels are registered under: each device's, and the composite
+# ones that serve every device. Replacing every kernel an operator has stops it on any device,
+# with or without autograd, under `no_grad` and `inference_mode`.
+_KERNEL_KEYS = ("CPU", "CUDA", "MPS", "XPU", "NestedTensorCPU", "NestedTensorCUDA", "SparseCPU", "SparseCUDA",
+                "CompositeImplicitAutograd", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+
+
+def _kernels_of(packet) -> Iterable[tuple[str, str]]:
+    """(overload, dispatch key) of each kernel registered for an operator, e.g. ("_softmax.out", "CPU")."""
+    for overload in packet.overloads():
+        name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
+        for key in _KERNEL_KEYS:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+                yield name, key
+
+
+class _OperatorTripwire:
+    """The dispatcher's half of a `Tripwire`: while entered, every kernel of the not-allowed
+    operators is replaced by one that stops the call, so no alias and no way of calling goes
+    around it. Only those operators change; every other one runs at full speed, which a
+    dispatch mode seeing every operator in Python would not allow."""
 
     def __init__(self, owner: Tripwire, targets: dict):
-        super().__init__()
-        self.owner, self.targets = owner, targets
+        self.owner = owner
+        self._kernels = [(overload, key, name) for packet, name in targets.items()
+                         for overload, key in _kernels_of(packet)]  # (overload, dispatch key, name reported)
+        self._library = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = self.targets.get(func.overloadpacket)
-        if name is not None:
+    def __enter__(self):
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": as meant
+            for overload, key, name in self._kernels:
+                library.impl(overload, self._stopper(name), key)
+        self._library = library
+        return self
+
+    def __exit__(self, *exc_info):
+        library, self._library = self._library, None
+        if library is not None:
+            library._destroy()  # the operators' own kernels are back
+
+    def _stopper(self, name: str):
+        def stop(*args, **kwargs):
             self.owner.stop(name)
-        return func(*args, **(kwargs or {}))
+        return stop
