@@ -11,7 +11,8 @@ Measurements:
   views included, by number of elements) and the matmul FLOPs, counted with the formulas
   of `torch.utils.flop_counter.FlopCounterMode`;
 - `saved_for_backward`: what an autograd Function's forward kept for its backward;
-- `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted;
+- `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted, and the
+  values they left in the tensors they were given;
 - `Reductions`: the most values that one reduction (a max, a sum, a matrix product, ...)
   combined into one result during a call.
 """
@@ -24,7 +25,7 @@ from numbers import Real
 from typing import Callable
 
 import torch
-from torch.utils import _pytree
+from torch.utils import _python_dispatch, _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograde.sandbox.observe import ContractError
@@ -98,10 +99,12 @@ def _same(tensor: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 class TritonLaunches:
-    """While active, `count` is the number of Triton kernel launches (`kernel[grid](...)`) that ran to the end.
+    """While active, `count` is the number of Triton kernel launches (`kernel[grid](...)`) that
+    ran to the end, and `written` the values each of them left in the tensors it was given.
 
     Compiled kernels (`JITFunction`) and those of the interpreter (`InterpretedFunction`,
-    TRITON_INTERPRET=1) both launch through their `run` method, which is wrapped here.
+    TRITON_INTERPRET=1) both launch through their `run` method, which is wrapped here. A launch
+    runs outside any dispatch mode (`Reductions`, say): what it computes is the kernel's work.
     """
 
     def __enter__(self) -> "TritonLaunches":
@@ -111,6 +114,7 @@ class TritonLaunches:
         except ImportError:
             raise ContractError("Triton is not installed: `pip install triton`") from None
         self.count = 0
+        self.written: list[torch.Tensor] = []
         self._originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
         for cls, original in self._originals.items():
             cls.run = self._counting(original)
@@ -118,16 +122,36 @@ class TritonLaunches:
 
     def _counting(self, original):
         def run(kernel, *args, **kwargs):
-            launched = original(kernel, *args, **kwargs)
-            # Counted once it has run: a launch that raises (and is caught) computed nothing.
-            if not kwargs.get("warmup"):
+            if kwargs.get("warmup"):
+                return original(kernel, *args, **kwargs)
+            with _python_dispatch._disable_current_modes():
+                launched = original(kernel, *args, **kwargs)
+                # Counted once it has run: a launch that raises (and is caught) computed nothing.
                 self.count += 1
+                self.written += [a.detach().clone() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             return launched
         return run
 
     def __exit__(self, *exc) -> None:
         for cls, original in self._originals.items():
             cls.run = original
+
+    def wrote(self, result: torch.Tensor) -> bool:
+        """Whether `result` holds the values a launch left in a tensor it was given, in any layout
+        or order (a kernel may write (B, L, H, d), which the wrapper transposes and copies)."""
+        values = _sorted_values(result)
+        return any(tensor.numel() == result.numel() and _identical(_sorted_values(tensor.to(result.dtype)), values)
+                   for tensor in self.written)
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and bits, NaN equal to NaN."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(
+        ((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
+
+
+def _sorted_values(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().flatten().cpu().sort().values
 
 
 # Reductions along a `dim` argument that the `reduction` tag of the operator table does not mark:
@@ -266,17 +290,33 @@ def saved(function: str) -> tuple[Rule, str]:
     return Rule("saved tensors", (key,), judge), key
 
 
-def launched(function: str) -> tuple[Rule, str]:
-    """The rule that `function` computes with a Triton kernel, with the key its probe reports."""
-    key = f"Triton kernels launched by {function}"
+def launched(function: str) -> tuple[Rule, str, str, str]:
+    """The rule that `function` computes with a Triton kernel, with the keys its probe reports:
+    `(rule, launches_key, written_key, outside_key)`: the launches that ran to the end, which
+    results hold the values a launch stored, and the most values one PyTorch reduction combined outside
+    the kernels (the wrapper should only allocate, reshape and launch), with that reduction under
+    `outside_key + " (call)"`."""
+    launches = f"Triton kernels launched by {function}"
+    written = "results stored by a Triton kernel"
+    outside = f"most values one PyTorch reduction combined in {function}, outside its kernels"
 
     def judge(expected: dict, got: dict) -> list[str]:
-        if _number(got[key]) and got[key] >= 1:
-            return []
-        return [f"Triton rule broken: {function} launched {got[key]!r} Triton kernels; the result must come "
-                "from a `@triton.jit` kernel launched as `kernel[grid](...)`."]
+        if not (_number(got[launches]) and got[launches] >= 1):
+            return [f"Triton rule broken: {function} launched {got[launches]!r} Triton kernels; the result must "
+                    "come from a `@triton.jit` kernel launched as `kernel[grid](...)`."]
+        problems = []
+        if got[written] != expected[written]:
+            problems.append(f"Triton rule broken: of the results of {function}, {expected[written]} should hold "
+                            f"the values of a tensor given to a Triton kernel after its launch, and {got[written]} "
+                            "do; the kernel must store the results (`tl.store`) in tensors the wrapper returns.")
+        if not (_number(got[outside]) and got[outside] <= expected[outside]):
+            problems.append(f"Triton rule broken: outside its kernels, {function} combined {got[outside]!r} "
+                            f"values in one PyTorch reduction ({got.get(outside + ' (call)', 'a reduction')}); "
+                            "the scores, the softmax and the products with v belong in the kernel, and the "
+                            "wrapper only allocates, reshapes and launches.")
+        return problems
 
-    return Rule("Triton kernel", (key,), judge), key
+    return Rule("Triton kernel", (launches, written, outside, outside + " (call)"), judge), launches, written, outside
 
 
 def reductions(function: str) -> tuple[Rule, str, str]:

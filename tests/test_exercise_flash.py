@@ -82,6 +82,7 @@ FORWARD = answer("flash_forward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")
 KERNEL = answer("flash_triton", "flash_attention_kernel")
+WRAPPER = answer("flash_triton", "flash_attention_triton")
 
 PLAIN_SOFTMAX = """import math
 
@@ -128,6 +129,25 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, 
 TORCH_INSTEAD_OF_TRITON = FULL_MATRIX_FORWARD.replace(
     "def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):",
     "def flash_attention_triton(q, k, v, causal=False):")
+
+# Attention in PyTorch, its results then copied into out and lse by a Triton kernel.
+COPIED_BY_A_KERNEL = FULL_MATRIX_FORWARD.replace(
+    "def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):",
+    "def attention_in_pytorch(q, k, v, causal=False):") + """
+
+@triton.jit
+def copy_kernel(Source, Target, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Target + offsets, tl.load(Source + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def flash_attention_triton(q, k, v, causal=False):
+    results = attention_in_pytorch(q, k, v, causal)
+    copies = tuple(torch.empty_like(result) for result in results)
+    for result, copy in zip(results, copies):
+        copy_kernel[(triton.cdiv(result.numel(), 1024),)](result, copy, result.numel(), BLOCK=1024)
+    return copies
+"""
 
 WRONG = [
     # Right values, computed over the whole row at once.
@@ -211,9 +231,18 @@ WRONG = [
         frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if c.visible),
         frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if not c.visible),
         message="Triton rule broken: flash_attention_triton launched 0 Triton kernels"),
+    Variant("attention-in-pytorch-copied-by-a-kernel", "flash_triton", {"flash_attention_triton": COPIED_BY_A_KERNEL},
+        frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if c.visible),
+        frozenset(c.name for c in catalogue(exercises.get("flash_triton")) if not c.visible),
+        message="Triton rule broken: outside its kernels, flash_attention_triton combined"),
 ]
 
 RIGHT = [
+    # The kernel's results copied into another layout and back before they are returned.
+    Variant("results-copied-after-the-kernel", "flash_triton", {"flash_attention_triton": replaced(
+        WRAPPER, ("    return out.reshape(B, H, L, d), lse.reshape(B, H, L)",
+                  "    out = out.reshape(B, H, L, d).transpose(1, 2).contiguous().transpose(1, 2)\n"
+                  "    return out, lse.reshape(B, H, L).clone()"))}),
     # Blocks from `split`, maxima from `max(dim)`, sums as products with a column of ones.
     Variant("split-and-matmul-sums", "flash_forward", {"online_softmax": """import math
 
@@ -486,6 +515,15 @@ def test_triton_launches_are_counted():
     with rules.TritonLaunches() as launches:
         FORWARD_REF["flash_attention_forward"](q, k, v)
     assert launches.count == 0
+
+
+def test_a_launch_records_the_values_it_stored_in_any_layout():
+    q, k, v = random_qkv(1, 1, 8, 8, 16, dtype=torch.float32)
+    with rules.TritonLaunches() as launches:
+        out, lse = Submission(TRITON_REF).flash_attention_triton(q, k, v)
+    assert launches.wrote(out) and launches.wrote(lse)
+    assert launches.wrote(out.transpose(-2, -1).contiguous())
+    assert not launches.wrote(out + 1)
 
 
 def test_a_triton_launch_that_raises_is_not_counted():

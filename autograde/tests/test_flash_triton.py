@@ -30,7 +30,7 @@ INTERPRET = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 # (`torch.utils.flop_counter` does); the worker gets the same through the exercise's `env`.
 for _name, _value in INTERPRET.items():
     os.environ.setdefault(_name, _value)
-LAUNCH_RULE, LAUNCHES = rules.launched(TRITON)
+LAUNCH_RULE, LAUNCHES, WRITTEN, OUTSIDE = rules.launched(TRITON)
 MAX_LENGTH = 256
 # The axes of the hidden tests (their values are the test ids).
 EDGES = ("ragged lengths", "lengths multiples of 64")
@@ -48,15 +48,19 @@ def triton_attention(functions, inputs: Inputs) -> dict:
     # float32 on both sides: the reference receives the inputs in float64, but its kernel, like
     # the learner's, keeps float32 accumulators, made for float16 and float32 inputs.
     q, k, v = (inputs[name].to(device=device, dtype=torch.float32) for name in ("q", "k", "v"))
-    with rules.TritonLaunches() as launches:
+    with rules.Reductions() as outside, rules.TritonLaunches() as launches:
         result = functions.flash_attention_triton(q, k, v, causal=inputs["causal"])
     out, lse = pair(result, f"{TRITON}(q, k, v, causal={inputs['causal']!r})", "(out, lse)")
+    written = [name for name, tensor in (("out", out), ("lse", lse))
+               if isinstance(tensor, torch.Tensor) and launches.wrote(tensor)]
     for name, tensor in (("out", out), ("lse", lse)):
         if isinstance(tensor, torch.Tensor) and tensor.device.type != device:
             raise ContractError(f"`{name}` is on {tensor.device.type}; it should be on {device}, with q")
     # Observed on the CPU, where the expected values are.
     return {"out": out.cpu() if isinstance(out, torch.Tensor) else out,
-            "lse": lse.cpu() if isinstance(lse, torch.Tensor) else lse, LAUNCHES: launches.count}
+            "lse": lse.cpu() if isinstance(lse, torch.Tensor) else lse, LAUNCHES: launches.count,
+            WRITTEN: " and ".join(written) or "neither",
+            OUTSIDE: outside.widest, f"{OUTSIDE} (call)": outside.widest_call}
 
 
 def triton_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, causal: bool) -> dict:
