@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import nbformat
 from nbformat.notebooknode import NotebookNode
-from nbgrader import utils
 
 from autograde import course
 from autograde.cases import Exercise
@@ -29,6 +28,14 @@ FIELDS = ("points", *FLAGS, "cell_type")  # the nbgrader metadata compared with 
 CELL_TYPES = ("code", "markdown", "raw")
 ABSENT = object()  # a metadata key the cell does not have
 CHANGED = "changed from the release: "  # how the grade's notes on tampered nbgrader cells start
+
+
+def _nbgrader():
+    """nbgrader's cell helpers, imported when a notebook is compared: a learner's kernel (Colab's,
+    say) imports this module for `check()` without nbgrader installed."""
+    from nbgrader import utils
+
+    return utils
 
 
 @functools.cache
@@ -144,7 +151,7 @@ def _compare(cell: _Cell, original: NotebookNode) -> list[str]:
     if cell.cell_type != original.cell_type:
         now = cell.cell_type if cell.cell_type in CELL_TYPES else _describe(cell.cell_type)
         found.append(f"{name} was changed from {_article(original.cell_type)} cell to {_article(now)} cell")
-    if utils.is_locked(original) and cell.source != original.source:
+    if _nbgrader().is_locked(original) and cell.source != original.source:
         found.append(f"{name} was changed{_first_difference(cell.source, original.source)}")
     if forged:  # which `nbgrader validate` would take at its word
         found.append(f"{name} has its stored nbgrader checksum rewritten to match its changes")
@@ -174,13 +181,13 @@ def _roles(nbgrader: dict) -> NotebookNode:
 
 def _kind(nbgrader: dict) -> str:
     cell = _roles(nbgrader)
-    if utils.is_solution(cell):
-        return "graded answer cell" if utils.is_grade(cell) else "solution cell"
-    if utils.is_grade(cell):
+    if _nbgrader().is_solution(cell):
+        return "graded answer cell" if _nbgrader().is_grade(cell) else "solution cell"
+    if _nbgrader().is_grade(cell):
         return "test cell"
-    if utils.is_task(cell):
+    if _nbgrader().is_task(cell):
         return "task cell"
-    return "locked cell" if utils.is_locked(cell) else "ordinary cell"
+    return "locked cell" if _nbgrader().is_locked(cell) else "ordinary cell"
 
 
 def _checksum(cell: _Cell) -> str | None:
@@ -191,13 +198,13 @@ def _checksum(cell: _Cell) -> str | None:
     view = _roles(ours)
     view.update(source=cell.source, cell_type=cell.cell_type)
     view.metadata.nbgrader.grade_id = cell.grade_id
-    if utils.is_grade(view):
+    if _nbgrader().is_grade(view):
         points = ours.get("points")
         if isinstance(points, bool) or not isinstance(points, (int, float)) or abs(points) > 1e300:
             return None
         view.metadata.nbgrader.points = float(points)
     try:
-        return utils.compute_checksum(view)
+        return _nbgrader().compute_checksum(view)
     except UnicodeEncodeError:  # lone surrogates, which JSON allows and UTF-8 does not
         return None
 
