@@ -55,6 +55,15 @@ def test_every_page_is_a_lowercase_hyphenated_myst_source(page):
     assert source.exists()
 
 
+@pytest.mark.parametrize("page", toc_files())
+def test_no_backtick_fence_has_a_backtick_in_its_title(page):
+    """CommonMark ends a backtick fence's info string at a backtick: such a line opens no directive,
+    and the rest of the page turns into a code block. Colon fences (:::) may quote code."""
+    bad = [number for number, line in enumerate((ROOT / f"{page}.md").read_text().splitlines(), 1)
+           if (fence := re.match(r"`{3,}", line)) and "`" in line[fence.end():]]
+    assert not bad, f"{page}.md, lines {bad}: use a ::: fence or drop the backticks from the title"
+
+
 @pytest.mark.parametrize("chapter", chapters())
 def test_every_chapter_is_an_executable_notebook(chapter):
     text = (ROOT / f"{chapter}.md").read_text()

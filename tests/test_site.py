@@ -231,6 +231,28 @@ def test_search_finds_the_chapter(site, term, page):
     assert f"/{page}.html" in hits, f"searching {term!r} found {hits}"
 
 
+ERRATUM_PAGES = [page for page in EXECUTABLE_PAGES if ":class: warning dropdown" in SOURCES[page]]
+
+
+@pytest.mark.parametrize("page", ERRATUM_PAGES)
+def test_erratum_boxes_are_one_titled_line_until_opened(site, page):
+    """A reader who never saw the sources reads past the errata: closed, titled, opened by a click."""
+    browser_page = site.context.new_page()
+    browser_page.goto(f"{site.base}{page}.html", wait_until="load", timeout=PAGE_TIMEOUT_MS)
+    boxes = browser_page.locator("div.admonition.warning.dropdown")
+    assert boxes.count() == SOURCES[page].count(":class: warning dropdown")
+    for title in boxes.locator(".admonition-title").all_inner_texts():
+        assert title.startswith("Erratum") and "source 00" in title, f"{page}: an erratum box titled {title!r}"
+    box = boxes.first
+    title = box.locator(".admonition-title")
+    body = box.locator("> :not(.admonition-title)").first
+    assert title.is_visible()
+    assert not body.is_visible(), f"{page}: the first erratum box is open"
+    title.click()
+    body.wait_for(state="visible", timeout=PAGE_TIMEOUT_MS)
+    browser_page.close()
+
+
 def _colab_url(page: str) -> str:
     repository = urlsplit(CONFIG["repository"]["url"]).path.strip("/")
     branch = CONFIG["repository"]["branch"]

@@ -3,7 +3,8 @@
 - Colab opens notebooks, not MyST Markdown: each build writes every executable page as a
   notebook under ``notebooks/`` (committed, so that Colab finds it on GitHub) and points the
   page's Colab launch button at it; a build without a Colab button (the class edition,
-  tools/class_edition.py) writes none.
+  tools/class_edition.py) writes none. A notebook whose chapter imports the course's library
+  (tools/course_library.py) starts by fetching it from the repository.
 - A script that an extension registers after the HTML builder has started reaches the page
   twice (Sphinx 7 adds it once with filename None, once with ''), so sphinx-thebe's
   ``const THEBE_JS_URL`` is declared twice and the browser reports a SyntaxError on every
@@ -20,7 +21,10 @@ import json
 from pathlib import Path
 
 import jupytext
+import yaml
 from class_edition import TAG as GRADED_ANSWER_TAG
+from course_library import MODULE as LIBRARY_MODULE
+from course_library import ROOT
 from docutils import nodes
 from pydata_sphinx_theme.utils import get_theme_options_dict
 from sphinx.application import Sphinx
@@ -31,6 +35,7 @@ COLAB_SETUP_SOURCE = """\
 import importlib.util
 if importlib.util.find_spec("myst_nb") is None:
     %pip install --quiet myst-nb"""
+LIBRARY_NAME = Path(LIBRARY_MODULE).stem
 THEBE_MARKERS = ("THEBE_JS_URL", "sphinx-thebe", "text/x-thebe-config", "kernelName = ")
 
 
@@ -39,13 +44,29 @@ def colab_notebook_path(docname: str) -> str:
     return f"{NOTEBOOK_DIR}/{docname.removeprefix('book/')}.ipynb"
 
 
+def library_setup_source() -> str:
+    """A cell that fetches the course's library, from where the Colab button finds the notebooks."""
+    repository = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))["repository"]
+    raw = repository["url"].replace("https://github.com/", "https://raw.githubusercontent.com/")
+    url = f"{raw}/{repository.get('branch', 'main')}/{LIBRARY_MODULE}"
+    return f"""\
+# Colab set-up: the course's library ({LIBRARY_MODULE}), whose functions earlier chapters define.
+import os
+import urllib.request
+if not os.path.exists("{LIBRARY_NAME}.py"):
+    urllib.request.urlretrieve("{url}", "{LIBRARY_NAME}.py")"""
+
+
 def colab_notebook(markdown: str) -> str:
     """A MyST Markdown chapter as a notebook without outputs, ready to run in Colab."""
     notebook = jupytext.reads(markdown, fmt="md:myst")
     notebook.metadata.pop("jupytext", None)
-    if any("myst_nb" in cell.source for cell in notebook.cells if cell.cell_type == "code"):
-        setup = jupytext.reads(f"```{{code-cell}} ipython3\n{COLAB_SETUP_SOURCE}\n```\n", fmt="md:myst")
-        notebook.cells[:0] = setup.cells
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    setups = [COLAB_SETUP_SOURCE] if any("myst_nb" in source for source in code) else []
+    if any(f"from {LIBRARY_NAME} import" in source for source in code):
+        setups.append(library_setup_source())
+    for source in reversed(setups):
+        notebook.cells[:0] = jupytext.reads(f"```{{code-cell}} ipython3\n{source}\n```\n", fmt="md:myst").cells
     for number, cell in enumerate(notebook.cells):
         cell.id = f"cell-{number}"  # stable ids: an unchanged chapter rewrites an identical file
         if GRADED_ANSWER_TAG in cell.metadata.get("tags", []):  # for the class edition's build only
