@@ -120,6 +120,9 @@ class Exercise:
     not_allowed: tuple[str, ...]
     # Extra environment for the worker process (e.g. TRITON_INTERPRET for Triton on the CPU).
     env: Mapping[str, str] = field(default_factory=dict)
+    # Whether its worker may reach the machine's CUDA GPU: only an exercise that runs kernels
+    # there (a GPU's memory is beyond the sandbox's limits; THREAT_MODEL.md, "GPUs").
+    gpu: bool = False
 
     @property
     def notebook(self) -> str:

@@ -16,7 +16,7 @@ from autograde import registry
 from autograde.grading import batch, grade
 from autograde.grading.proxies import SandboxedSubmission
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import syscall_filter
+from autograde.sandbox import isolation, syscall_filter
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
@@ -142,7 +142,8 @@ except OSError as exc:
 json.dump({"environment": dict(os.environ), "cwd": os.getcwd(), "isolated": sys.flags.isolated,
            "uid": os.getuid(), "pid": os.getpid(), "processes": sorted(os.listdir("/proc")),
            "root": sorted(os.listdir("/")), "course": sorted(os.listdir(ROOT)), "network": network,
-           "descriptors": sorted(os.listdir("/proc/self/fd")), "limits": limits}, open("facts.json", "w"))
+           "descriptors": sorted(os.listdir("/proc/self/fd")), "limits": limits,
+           "devices": sorted(os.listdir("/dev"))}, open("facts.json", "w"))
 """
 
 
@@ -173,6 +174,8 @@ def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tm
     assert facts["course"] == [".venv", "autograde"] or facts["course"] == ["autograde"]
     assert "home" not in facts["root"] and "work" in facts["root"] or "mnt" not in facts["root"]
     assert facts["network"] == "Network is unreachable"
+    # sdpa runs no GPU kernel: whatever GPU the machine has, its devices are not in this root.
+    assert facts["devices"] == sorted([*isolation.DEVICES, "shm"])
 
 
 LEAVE_A_DAEMON = """
@@ -357,3 +360,29 @@ def test_the_syscall_filter_refuses_what_a_submission_never_needs(tmp_path: Path
                                                             "userfaultfd", "setns", "unshare", "mount", "umount",
                                                             "clone-new-user")}
     assert facts == {**refused, "thread": "ran", "fork": 7}
+
+
+def test_only_an_exercise_that_runs_gpu_kernels_gets_the_gpu(monkeypatch):
+    """A GPU's memory is beyond the cgroup: its device nodes go only into the root of a worker
+    whose exercise compiles kernels for it (flash_triton), never into the others'."""
+    assert {exercise.id for exercise in registry.EXERCISES.values() if exercise.gpu} == {"flash_triton"}
+    on_a_gpu_machine = ["console", "null", "nvidia-uvm", "nvidia0", "nvidiactl", "sda", "urandom"]
+    monkeypatch.setattr(isolation.os, "listdir", lambda path: on_a_gpu_machine if path == "/dev" else [])
+    assert isolation.device_nodes(gpu=False) == isolation.DEVICES
+    assert isolation.device_nodes(gpu=True) == (*isolation.DEVICES, "nvidia-uvm", "nvidia0", "nvidiactl")
+
+
+def test_the_worker_is_started_with_its_exercises_gpu_choice(tmp_path: Path, monkeypatch):
+    started = []
+    real_start = sandbox.ForkServer.start
+
+    def start(self, folder, limits, env={}, gpu=False):
+        started.append(gpu)
+        return real_start(self, folder, limits, env, gpu)
+
+    monkeypatch.setattr(sandbox.ForkServer, "start", start)
+    for exercise_id in ("sdpa", "flash_triton"):
+        (tmp_path / exercise_id).mkdir()
+        SandboxedSubmission(registry.get(exercise_id), [(1, "x = 1")], LIMITS, folder=tmp_path / exercise_id).close()
+    assert started == [False, True]
+

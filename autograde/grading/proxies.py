@@ -202,7 +202,7 @@ class SandboxedSubmission(_Proxy):
         self._listener.listen(1)
         (self._work / "channel.sock").chmod(0o666)  # the worker runs as a uid of its own
         self._deadline = time.monotonic() + limits.wall_seconds
-        self._running = sandbox.fork_server().start(folder, limits, exercise.env)
+        self._running = sandbox.fork_server().start(folder, limits, exercise.env, gpu=exercise.gpu)
         self._names = (f"a{n}" for n in itertools.count())
         self._channel: socket.socket | None = None
         self.gone = ""  # why no more calls can be made, once that is so

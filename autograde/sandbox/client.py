@@ -170,8 +170,9 @@ class ForkServer:
             self._process.stdin.write(json.dumps(message).encode() + b"\n")
             self._process.stdin.flush()
 
-    def start(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> "Running":
-        """Start the worker on the job in `folder/work`; `Running.wait` waits for it, or stops it."""
+    def start(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}, gpu: bool = False) -> "Running":
+        """Start the worker on the job in `folder/work`; `Running.wait` waits for it, or stops it.
+        `gpu`: its root holds the machine's GPU devices, for an exercise that runs GPU kernels."""
         work = folder / "work"
         (folder / "root").mkdir()
         uid = self._uids.take() if self._uids else None
@@ -182,7 +183,7 @@ class ForkServer:
         with self._lock:
             self._waiting[ident] = (event, box)
         self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
-                    "package_root": str(ROOT), "limits": asdict(limits),
+                    "package_root": str(ROOT), "limits": asdict(limits), "gpu": gpu,
                     "env": scrubbed_environment(str(work), env)})
         return Running(self, ident, event, box, work, limits, uid)
 

@@ -36,6 +36,10 @@ PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers; glibc has no wra
 
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/sys")
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# A CUDA GPU's device nodes (/dev/nvidia0, /dev/nvidiactl, /dev/nvidia-uvm, ...): only in the
+# root of a worker whose exercise runs kernels on the GPU (Exercise.gpu). Its memory is beyond
+# the cgroup's reach, which is why every other worker does without it (THREAT_MODEL.md, "GPUs").
+GPU_DEVICE_PREFIX = "nvidia"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -238,8 +242,16 @@ def python_folders(package_root: Path) -> list[str]:
     return sorted(f for f in folders if not any(f != o and f.startswith(o + os.sep) for o in folders))
 
 
-def private_root(new_root: Path, scratch: Path, package_root: Path) -> None:
-    """Make `new_root` (an empty folder) this mount namespace's root, as described above.
+def device_nodes(gpu: bool) -> tuple[str, ...]:
+    """The names under /dev that a worker's root holds: a few harmless ones, and the GPU's if
+    its exercise needs the GPU and the machine has one."""
+    gpu_nodes = sorted(name for name in os.listdir("/dev") if name.startswith(GPU_DEVICE_PREFIX)) if gpu else []
+    return DEVICES + tuple(gpu_nodes)
+
+
+def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = False) -> None:
+    """Make `new_root` (an empty folder) this mount namespace's root, as described above; with
+    the GPU's device nodes only if `gpu`.
 
     Run in a new PID namespace, as root or in a user namespace of its own, before dropping
     privileges; it enters a new mount namespace.
@@ -256,7 +268,7 @@ def private_root(new_root: Path, scratch: Path, package_root: Path) -> None:
         _read_only_bind(folder, _place(new_root, folder, True))
     dev = _place(new_root, "/dev", True)
     mount("tmpfs", str(dev), "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
-    for name in DEVICES + tuple(n for n in os.listdir("/dev") if n.startswith("nvidia")):
+    for name in device_nodes(gpu):
         if os.path.exists(f"/dev/{name}"):
             mount(f"/dev/{name}", str(_place(new_root, f"/dev/{name}", False)), None, MS_BIND)
     shm = _place(new_root, "/dev/shm", True)

@@ -127,7 +127,8 @@ def _contain(request: dict, mode: str, group: isolation.Cgroup | None, status_pi
         if group is not None:
             group.join()
         if mode != "session":
-            isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]))
+            isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]),
+                                   gpu=request["gpu"])
         else:
             os.setsid()
         child = os.fork()

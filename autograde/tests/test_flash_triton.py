@@ -111,6 +111,7 @@ EXERCISE = Exercise(
     required=(TRITON,),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
     env=INTERPRET,
+    gpu=True,  # compiled kernels run on the GPU where there is one
 )
 
 
