@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from book_site import colab_notebook, library_setup_source  # noqa: E402
-from course_library import MODULE, TAG, chapters, library_source, python_sources  # noqa: E402
+from course_library import MODULE, TAG, chapters, importing_chapters, library_source, python_sources  # noqa: E402
 
 IMPORT = "attention_lib"
 
@@ -84,6 +84,8 @@ def test_chapters_import_only_what_the_library_defines_and_what_earlier_chapters
     assert {"book/worked-example", "book/multi-head-attention", "book/positions",
             "book/pytorch-multiheadattention", "book/tiled-forward", "book/flash-backward",
             "book/triton-kernel", "book/split-kv", "book/linear-attention"} <= importers
+    # The build re-runs exactly these when the library changes (tools/course_library.py).
+    assert set(importing_chapters(ROOT)) == importers
 
 
 def test_attention_is_nan_free_in_both_passes_and_agrees_with_pytorch():

@@ -7,12 +7,15 @@ chapters' cells; a later chapter writes ``from attention_lib import attention`` 
 second copy that could drift. The chapter stays the one source: the module is written at the
 start of every build, before any chapter runs, and committed, so that a chapter opened in
 Colab can fetch it (tools/book_site.py); tests/test_course_library.py checks the committed
-copy. A definition that needs a name nothing in the module provides stops the build.
+copy. A definition that needs a name nothing in the module provides stops the build. When the
+library changes, the chapters that import it run again: a cached build never shows outputs
+computed with an older library.
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import hashlib
 import symtable
 import sys
 from pathlib import Path
@@ -122,6 +125,20 @@ def library_source(root: Path = ROOT) -> str:
     return HEADER + "\n" + "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n\n\n" + body + "\n"
 
 
+def importing_chapters(root: Path = ROOT) -> list[str]:
+    """The pages (as in _toc.yml) whose code imports the library."""
+    name = Path(MODULE).stem
+    return [page for page in chapters(root) if (root / f"{page}.md").exists()
+            and any(isinstance(node, ast.ImportFrom) and node.module == name or
+                    isinstance(node, ast.Import) and any(alias.name == name for alias in node.names)
+                    for source, _ in python_sources(root / f"{page}.md") for node in ast.walk(ast.parse(source)))]
+
+
+def _stamp(app) -> Path:
+    """Where a build records the library its chapters' outputs were computed with."""
+    return Path(app.outdir).parent / f"{Path(MODULE).stem}.sha256"
+
+
 def write_library(app) -> None:
     root = Path(app.srcdir)
     try:
@@ -132,9 +149,35 @@ def write_library(app) -> None:
     target = root / MODULE
     if not target.exists() or target.read_text(encoding="utf-8") != text:
         target.write_text(text, encoding="utf-8")
+    # myst-nb's cache knows a chapter by its own code: a chapter that imports a changed library
+    # would keep outputs computed with the old one. Forget them, and read those chapters again.
+    app.library_digest = hashlib.sha256(text.encode()).hexdigest()
+    stamp = _stamp(app)
+    app.library_outdated = []
+    if stamp.exists() and stamp.read_text() != app.library_digest:
+        app.library_outdated = importing_chapters(root)
+        cache_folder = Path(app.outdir).parent / ".jupyter_cache"
+        if cache_folder.is_dir():
+            from jupyter_cache import get_cache
+            cache = get_cache(str(cache_folder))
+            stale = {str((root / f"{page}.md").resolve()) for page in app.library_outdated}
+            for record in cache.list_cache_records():
+                if str(Path(record.uri).resolve()) in stale:
+                    cache.remove_cache(record.pk)
+
+
+def read_importers_again(app, env, added, changed, removed) -> list[str]:
+    return [page for page in app.library_outdated if page not in added | changed]
+
+
+def record_library(app, exception) -> None:
+    if exception is None:
+        _stamp(app).write_text(app.library_digest)
 
 
 def setup(app) -> dict:
     # builder-inited comes before any document is read, so before myst-nb runs a chapter.
     app.connect("builder-inited", write_library)
+    app.connect("env-get-outdated", read_importers_again)
+    app.connect("build-finished", record_library)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
