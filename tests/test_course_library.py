@@ -21,13 +21,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from book_site import colab_notebook, library_setup_source  # noqa: E402
-from course_library import MODULE, TAG, chapters, importing_chapters, library_source, python_sources  # noqa: E402
-
-IMPORT = "attention_lib"
+from course_library import MODULE, NAME, TAG, chapters, importing_chapters, library_source, python_sources  # noqa: E402
 
 
 def load_library():
-    spec = importlib.util.spec_from_file_location(IMPORT, ROOT / MODULE)
+    spec = importlib.util.spec_from_file_location(NAME, ROOT / MODULE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,7 +68,7 @@ def test_chapters_import_only_what_the_library_defines_and_what_earlier_chapters
     for position, (page, cells) in enumerate(chapter_cells().items()):
         for source, tags in cells:
             for node in ast.walk(ast.parse(source)):
-                if isinstance(node, ast.ImportFrom) and node.module == IMPORT:
+                if isinstance(node, ast.ImportFrom) and node.module == NAME:
                     importers.add(page)
                     for alias in node.names:
                         assert alias.name in names, f"{page} imports {alias.name}, which no {TAG!r} cell defines"

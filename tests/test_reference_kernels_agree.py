@@ -22,13 +22,15 @@ import sys
 from collections.abc import Callable
 from functools import cache
 
-import jupytext
 import pytest
 import torch
 
 import autograde  # noqa: F401  (chooses Triton's interpreter where there is no CUDA GPU, before Triton loads)
 from benchmarks import flash_cpu, flash_gpu
 from tests.fixtures.notebooks import ROOT, learner_notebook, run_cells
+
+sys.path.insert(0, str(ROOT / "tools"))
+from course_library import python_sources, top_level  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 # The book runs its chapters in book/, where they import the course's library (attention_lib).
@@ -45,20 +47,12 @@ GRADIENT_TOLERANCE = 1e-4
 def chapter(name: str) -> dict:
     """The imports of chapter `name`'s first code cell and the top-level definitions of its cells
     tagged graded-answer, run as one module (registered with linecache: Triton reads kernels' source)."""
-    cells = [cell for cell in jupytext.read(ROOT / "book" / f"{name}.md").cells if cell.cell_type == "code"]
     parts = []
-    for cell in cells:
-        graded = GRADED_ANSWER in cell.metadata.get("tags", [])
-        if cell is not cells[0] and not graded:
-            continue
-        lines = cell.source.splitlines()
-        for node in ast.parse(cell.source).body:
-            wanted = (ast.Import, ast.ImportFrom) if cell is cells[0] else ()
-            if graded:
-                wanted += (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
-            if isinstance(node, wanted):
-                first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-                parts.append("\n".join(lines[first - 1:node.end_lineno]))
+    for index, (source, tags) in enumerate(python_sources(ROOT / "book" / f"{name}.md")):
+        wanted = (ast.Import, ast.ImportFrom) if index == 0 else ()
+        if GRADED_ANSWER in tags:
+            wanted += (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
+        parts += [text for _, text in top_level(source, wanted)]
     source = "\n\n\n".join(parts) + "\n"
     filename = f"<chapter {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

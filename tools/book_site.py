@@ -24,7 +24,8 @@ import jupytext
 import yaml
 from class_edition import TAG as GRADED_ANSWER_TAG
 from course_library import MODULE as LIBRARY_MODULE
-from course_library import ROOT
+from course_library import NAME as LIBRARY_NAME
+from course_library import ROOT, imports_library
 from docutils import nodes
 from pydata_sphinx_theme.utils import get_theme_options_dict
 from sphinx.application import Sphinx
@@ -35,7 +36,6 @@ COLAB_SETUP_SOURCE = """\
 import importlib.util
 if importlib.util.find_spec("myst_nb") is None:
     %pip install --quiet myst-nb"""
-LIBRARY_NAME = Path(LIBRARY_MODULE).stem
 THEBE_MARKERS = ("THEBE_JS_URL", "sphinx-thebe", "text/x-thebe-config", "kernelName = ")
 
 
@@ -63,7 +63,7 @@ def colab_notebook(markdown: str) -> str:
     notebook.metadata.pop("jupytext", None)
     code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
     setups = [COLAB_SETUP_SOURCE] if any("myst_nb" in source for source in code) else []
-    if any(f"from {LIBRARY_NAME} import" in source for source in code):
+    if any(imports_library(source) for source in code):
         setups.append(library_setup_source())
     for source in reversed(setups):
         notebook.cells[:0] = jupytext.reads(f"```{{code-cell}} ipython3\n{source}\n```\n", fmt="md:myst").cells

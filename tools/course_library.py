@@ -22,9 +22,12 @@ from pathlib import Path
 
 import jupytext
 import yaml
+from jupyter_cache import get_cache
+from sphinx.errors import ExtensionError
 
 TAG = "library"
 MODULE = "book/attention_lib.py"
+NAME = Path(MODULE).stem  # what a chapter imports
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = '''\
 """The course's library: the definitions of the chapters' cells tagged `library`.
@@ -78,7 +81,7 @@ def python_sources(chapter: Path) -> list[tuple[str, list[str]]]:
 
 def _needed_names(source: str) -> set[str]:
     """Names the module's code reads from the module's namespace without binding them there."""
-    module = symtable.symtable(source, "attention_lib", "exec")
+    module = symtable.symtable(source, NAME, "exec")
     bound = {s.get_name() for s in module.get_symbols() if s.is_assigned() or s.is_imported()}
     needed, tables = set(), [module]
     while tables:
@@ -125,18 +128,23 @@ def library_source(root: Path = ROOT) -> str:
     return HEADER + "\n" + "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n\n\n" + body + "\n"
 
 
+def imports_library(source: str) -> bool:
+    """Whether a code cell's source imports the library (its line magics are not Python)."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    return any(isinstance(node, ast.ImportFrom) and node.module == NAME or
+               isinstance(node, ast.Import) and any(alias.name == NAME for alias in node.names)
+               for node in ast.walk(ast.parse(code)))
+
+
 def importing_chapters(root: Path = ROOT) -> list[str]:
     """The pages (as in _toc.yml) whose code imports the library."""
-    name = Path(MODULE).stem
     return [page for page in chapters(root) if (root / f"{page}.md").exists()
-            and any(isinstance(node, ast.ImportFrom) and node.module == name or
-                    isinstance(node, ast.Import) and any(alias.name == name for alias in node.names)
-                    for source, _ in python_sources(root / f"{page}.md") for node in ast.walk(ast.parse(source)))]
+            and any(imports_library(source) for source, _ in python_sources(root / f"{page}.md"))]
 
 
 def _stamp(app) -> Path:
     """Where a build records the library its chapters' outputs were computed with."""
-    return Path(app.outdir).parent / f"{Path(MODULE).stem}.sha256"
+    return Path(app.outdir).parent / f"{NAME}.sha256"
 
 
 def write_library(app) -> None:
@@ -144,7 +152,6 @@ def write_library(app) -> None:
     try:
         text = library_source(root)
     except ValueError as error:
-        from sphinx.errors import ExtensionError
         raise ExtensionError(f"{MODULE}: {error}") from None
     target = root / MODULE
     if not target.exists() or target.read_text(encoding="utf-8") != text:
@@ -158,7 +165,6 @@ def write_library(app) -> None:
         app.library_outdated = importing_chapters(root)
         cache_folder = Path(app.outdir).parent / ".jupyter_cache"
         if cache_folder.is_dir():
-            from jupyter_cache import get_cache
             cache = get_cache(str(cache_folder))
             stale = {str((root / f"{page}.md").resolve()) for page in app.library_outdated}
             for record in cache.list_cache_records():
