@@ -15,6 +15,11 @@ Measurements:
   values they left in the tensors they were given;
 - `Reductions`: the most values that one reduction (a max, a sum, a matrix product, ...)
   combined into one result during a call.
+
+These are measured in the learner's own process, whose code could switch them off: they are
+advisory. One rule is measured from outside it: `PeakMemory`, how far the memory of the
+learner's processes rose during a call, read by the fork server from the kernel's counters
+(`sandbox.server._MemoryWatch`), which also sees a process start or end; `whole_scores` judges it.
 """
 
 from __future__ import annotations
@@ -251,6 +256,34 @@ def memory(function: str) -> tuple[Rule, str, str]:
                 f"{expected[largest]:,}. Work on one block of scores at a time: never all L x S at once."]
 
     return Rule("memory", (largest,), judge), largest, limit
+
+
+@dataclass
+class PeakMemory:
+    """How far a call raised the memory of the learner's processes (`growth_bytes`), measured
+    `where`; or why it could not be measured (`problem`)."""
+
+    where: str
+    growth_bytes: int | None = None
+    problem: str = ""
+
+
+def whole_scores(call: str, peak: PeakMemory, scores: int) -> list[str]:
+    """The problems with `peak`, measured during `call`, for inputs with `scores` attention scores
+    (B * H * L * S): its memory must rise by less than all of them would take at two bytes each.
+
+    A stored float32 or float16 score matrix breaks it, whether in one tensor or in blocks kept
+    (say, on `ctx`) or in another process; working memory of the size of q, k, v, or of the
+    output once per key block of at least 2 d columns, stays well below it."""
+    if peak.problem:
+        return [f"whole-scores rule: {peak.problem}"]
+    allowed = 2 * scores
+    if peak.growth_bytes is not None and peak.growth_bytes < allowed:
+        return []
+    return [f"whole-scores rule broken: during {call} the memory of your notebook's processes rose by "
+            f"{peak.growth_bytes / 2**20:.0f} MiB ({peak.where}); all {scores:,} scores would take "
+            f"{allowed / 2**20:.0f} MiB at two bytes each, {2 * allowed / 2**20:.0f} MiB as float32. "
+            "Keep one block of scores at a time, and do not keep the blocks either."]
 
 
 def work() -> tuple[Rule, str, str, str]:

@@ -376,9 +376,9 @@ def test_the_worker_is_started_with_its_exercises_gpu_choice(tmp_path: Path, mon
     started = []
     real_start = sandbox.ForkServer.start
 
-    def start(self, folder, limits, env={}, gpu=False):
+    def start(self, folder, limits, env={}, gpu=False, scratch=None):
         started.append(gpu)
-        return real_start(self, folder, limits, env, gpu)
+        return real_start(self, folder, limits, env, gpu, scratch)
 
     monkeypatch.setattr(sandbox.ForkServer, "start", start)
     for exercise_id in ("sdpa", "flash_triton"):

@@ -32,8 +32,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograde import registry
 from autograde.grading.grade import UNISOLATED_NOTE
 from autograde.sandbox import syscall_filter
+from autograde.sandbox.client import Limits
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = [
@@ -45,10 +47,11 @@ pytestmark = [
 NOBODY = 65534
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 ASSIGNMENT = "attention"
-EXERCISES = ("sdpa", "mha")
+# flash_forward: its memory, measured from outside the worker, by a fork server without root
+EXERCISES = ("sdpa", "mha", "flash_forward")
 
 ATTACK = """
-import ctypes, json, os, socket, time
+import ctypes, errno, json, os, socket, time
 
 def attempt(action):
     try:
@@ -61,6 +64,30 @@ def append(path):
     with open(path, "a") as file:
         file.write("tampered")
 
+def fill_the_scratch_folder():  # 1 GiB in files of 64 MiB (each file is bounded on its own), then many empty ones
+    written, error = 0, None
+    try:
+        for n in range(16):
+            with open(f"fill-{n}", "wb") as file:
+                for _ in range(64):
+                    file.write(b"x" * 2**20)
+                    written += 2**20
+    except OSError as exc:
+        error = errno.errorcode.get(exc.errno)
+    for n in range(16):
+        if os.path.exists(f"fill-{n}"):
+            os.remove(f"fill-{n}")
+    files, files_error = 0, None
+    try:
+        for n in range(100_000):
+            open(f"empty-{n}", "w").close()
+            files += 1
+    except OSError as exc:
+        files_error = errno.errorcode.get(exc.errno)
+    for n in range(files):
+        os.remove(f"empty-{n}")
+    return [written // 2**20, error, files, files_error]  # short: the finding must fit in 400 characters
+
 found = {
     "secret": attempt(lambda: open(SECRET).read()),
     "solutions": attempt(lambda: open(COURSE + "/solutions/attention/sdpa.ipynb").read()),
@@ -70,6 +97,7 @@ found = {
     "write-grader": attempt(lambda: append(COURSE + "/autograde/__init__.py")),
     "write-classmate": attempt(lambda: append(CLASSMATE)),
     "network": attempt(lambda: socket.create_connection(("127.0.0.1", PORT), timeout=2)),
+    "fill": fill_the_scratch_folder(),
 }
 if os.fork() == 0:  # a daemon: new session, second fork, outlive the grading, then tamper
     os.setsid()
@@ -148,10 +176,11 @@ class Setting:
 
     def hand_in(self, submitted: str, student: str, exercise: str,
                 notebook: nbformat.NotebookNode | None = None) -> Path:
-        path = self.base / submitted / student / ASSIGNMENT / f"{exercise}.ipynb"
+        assignment = registry.get(exercise).assignment
+        path = self.base / submitted / student / assignment / f"{exercise}.ipynb"
         path.parent.mkdir(parents=True, exist_ok=True)
         if notebook is None:
-            shutil.copyfile(self.course / "solutions" / ASSIGNMENT / f"{exercise}.ipynb", path)
+            shutil.copyfile(self.course / "solutions" / assignment / f"{exercise}.ipynb", path)
         else:
             nbformat.write(notebook, path)
         _owned_by_nobody(self.base)
@@ -282,6 +311,15 @@ def test_a_submission_cannot_change_the_course_or_a_classmates_notebook(graded: 
 def test_a_submission_cannot_reach_the_network(graded: Graded):
     assert graded.findings.get("network") == "Network is unreachable", graded.findings
     assert graded.connections == 0
+
+
+def test_a_submission_cannot_fill_the_instructors_disk(graded: Graded):
+    """Its scratch folder is a tmpfs of bounded size and inodes, mounted in the fork server's own
+    mount namespace: writing 1 GiB, or 100,000 empty files, stops at the bound."""
+    limits = Limits()
+    written_mib, error, files, files_error = graded.findings["fill"]
+    assert error == "ENOSPC" and written_mib <= limits.scratch_bytes // 2**20, graded.findings
+    assert files_error == "ENOSPC" and files < limits.scratch_files, graded.findings
 
 
 def test_no_process_of_a_submission_outlives_its_grading(graded: Graded):

@@ -9,6 +9,7 @@ for `check()`. `Reference` makes them on the course's solution, in float64, in t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -16,12 +17,13 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from autograde.cases import Exercise, Inputs
 from autograde.grading import reference as solutions
+from autograde.rules import PeakMemory
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.calls import LearnerCalls, callable_names
@@ -71,6 +73,11 @@ class _Proxy:
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+    def memory_measured(self) -> contextlib.AbstractContextManager[PeakMemory]:
+        """`with proxy.memory_measured() as peak:` the calls inside raise the learner's memory by
+        `peak.growth_bytes`, once the block has ended."""
+        raise NotImplementedError(f"{type(self).__name__} does not measure memory")
 
 
 class Reference(_Proxy):
@@ -163,6 +170,23 @@ class LocalSubmission(_Proxy):
     def violations(self) -> list[Violation]:
         return self.tripwire.violations
 
+    @contextlib.contextmanager
+    def memory_measured(self) -> Iterator[PeakMemory]:
+        """Measured in this process, the learner's own, where Linux's /proc allows: advisory."""
+        peak = PeakMemory("measured in your own kernel; the grader measures it from outside")
+        try:
+            isolation.reset_peak_memory("self")
+        except OSError as exc:
+            peak.problem = (f"not measured here ({exc.strerror}: it needs Linux's /proc); "
+                            "the grader measures it from outside your process")
+            yield peak
+            return
+        start = isolation.status_kib("self", "VmRSS")
+        try:
+            yield peak
+        finally:
+            peak.growth_bytes = max(0, isolation.status_kib("self", "VmHWM") - start) * 1024
+
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
         self.sent.setdefault(self.test, []).append((name, args, kwargs))
@@ -183,26 +207,28 @@ class SandboxedSubmission(_Proxy):
         self.limits = limits
         self._scratch = tempfile.TemporaryDirectory(prefix="autograde-") if folder is None else None
         folder = Path(self._scratch.name) if folder is None else folder
-        self._work = folder / "work"
-        self._work.mkdir(parents=True)
-        self._mounted = False
-        if os.geteuid() == 0:
-            try:
-                isolation.scratch_tmpfs(str(self._work), limits.scratch_bytes, limits.scratch_files)
-                self._mounted = True
-            except OSError:  # no mounts here (a container without CAP_SYS_ADMIN): the disk, as before
-                pass
+        self._folder = folder
+        (folder / "work").mkdir(parents=True)
+        server = sandbox.fork_server()
+        self._work_folder = server.scratch(folder / "work", limits)
+        self._work = self._work_folder.path  # where this process reaches it
         (self._work / "in").mkdir()
         # Held open: the worker owns `work` and could put a link where `in` was.
         self._inputs = os.open(self._work / "in", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         wire.write_json(self._work / "job.json", {"exercise": exercise.id, "cell_seconds": limits.cell_seconds,
                                                   "cells": [list(cell) for cell in cells]})
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(self._work / "channel.sock"))
+        # Bound through a descriptor of the folder: a socket's path has at most 107 bytes, and the
+        # folder's, through /proc/<server>/root, may have more.
+        work = os.open(self._work, os.O_PATH | os.O_DIRECTORY)
+        try:
+            self._listener.bind(f"/proc/self/fd/{work}/channel.sock")
+        finally:
+            os.close(work)
         self._listener.listen(1)
         (self._work / "channel.sock").chmod(0o666)  # the worker runs as a uid of its own
         self._deadline = time.monotonic() + limits.wall_seconds
-        self._running = sandbox.fork_server().start(folder, limits, exercise.env, gpu=exercise.gpu)
+        self._running = server.start(folder, limits, exercise.env, gpu=exercise.gpu, scratch=self._work_folder)
         self._names = (f"a{n}" for n in itertools.count())
         self._channel: socket.socket | None = None
         self.gone = ""  # why no more calls can be made, once that is so
@@ -257,6 +283,34 @@ class SandboxedSubmission(_Proxy):
         if message is None:
             self.gone = f"during {self.doing}"
         return message
+
+    @contextlib.contextmanager
+    def memory_measured(self) -> Iterator[PeakMemory]:
+        """Measured by the fork server, outside the worker; a process started or ended meanwhile fails it."""
+        peak = PeakMemory("measured from outside them")
+        started = self._watch("start")
+        try:
+            yield peak
+        finally:
+            if "error" in started:
+                peak.problem = f"the memory of your process could not be measured ({started['error']})"
+            else:
+                stopped = self._watch("stop")
+                if "error" in stopped:
+                    peak.problem = f"the memory of your process could not be measured ({stopped['error']})"
+                elif stopped.get("ended") or stopped.get("started"):
+                    peak.problem = ("a process of yours ended or started during the call, so its memory could not "
+                                    "be measured: compute in the process that was called")
+                else:
+                    peak.growth_bytes = int(stopped.get("growth_bytes", 0))
+
+    def _watch(self, phase: str) -> dict:
+        if self.gone:
+            return {"error": f"the grading process ended {self.gone}"}
+        try:
+            return self._running.watch_memory(phase)
+        except sandbox.ForkServerError as exc:
+            return {"error": str(exc)}
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
@@ -314,11 +368,11 @@ class SandboxedSubmission(_Proxy):
                 if resource is not None:
                     resource.close()
             os.close(self._inputs)
-            if self._mounted:
+            if self._work_folder.bounded:
                 kept = self._kept_files() if self._scratch is None else {}
-                isolation.unmount(str(self._work))
+                self._work_folder.release()
                 for name, data in kept.items():  # a folder asked for is kept: its top-level files, on disk
-                    (self._work / name).write_bytes(data)
+                    (self._folder / "work" / name).write_bytes(data)
             if self._scratch is not None:
                 self._scratch.cleanup()
         return self.outcome

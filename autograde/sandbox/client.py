@@ -13,12 +13,15 @@ tree's own, where the kernel allows it. `ProcessOutcome.isolation` says which of
 force; `available_isolation` says beforehand which will be.
 
 A grading job's folder holds `work/` (the job and, after the run, the results: everything in
-it is untrusted) and `root/` (where the private root filesystem is mounted).
+it is untrusted) and `root/` (where the private root filesystem is mounted). `work/` is a tmpfs
+of bounded size and inodes wherever a mount can be made (`ForkServer.scratch`), in a mount
+namespace of the fork server's, which the grader reaches through `/proc/<server>/root`.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import json
 import os
@@ -30,7 +33,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()"
@@ -58,7 +61,7 @@ class Limits:
     cell_seconds: float = 60.0  # one cell of the notebook
     case_seconds: float | None = None  # one test, if less than the test's own limit
     cpus: float = 1.0  # the whole tree's share of the CPU, where a cgroup can be made
-    # The scratch folder, as root a tmpfs of its own: a submission cannot fill the grader's disk.
+    # The scratch folder, a tmpfs of its own where a mount can be made: no submission fills the disk.
     scratch_bytes: int = 768 * 2**20
     scratch_files: int = 4096
 
@@ -96,6 +99,15 @@ def read_tail(path: Path, size: int = OUTPUT_TAIL) -> str:
             return ""
         file.seek(max(0, length - size))
         return file.read(size).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A job's `work` folder: `path` is where the grading process reaches it; `bounded` when it is a
+    tmpfs of its own, which `release` unmounts (its files go with it)."""
+    path: Path
+    bounded: bool = False
+    release: Callable[[], object] = lambda: None
 
 
 class _Uids:
@@ -142,6 +154,7 @@ class ForkServer:
         first = self._process.stdout.readline()
         if not first.startswith(b'{"ready"'):
             raise ForkServerError(f"the fork server did not start: {self._stderr_tail()}")
+        self._mounts_scratch = json.loads(first).get("mounts") is True
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     def _stderr_tail(self) -> str:
@@ -170,26 +183,50 @@ class ForkServer:
             self._process.stdin.write(json.dumps(message).encode() + b"\n")
             self._process.stdin.flush()
 
-    def start(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}, gpu: bool = False) -> "Running":
-        """Start the worker on the job in `folder/work`; `Running.wait` waits for it, or stops it.
-        `gpu`: its root holds the machine's GPU devices, for an exercise that runs GPU kernels."""
+    def _expect(self) -> tuple[str, threading.Event, list]:
+        ident, event, box = str(next(self._ids)), threading.Event(), []
+        with self._lock:
+            self._waiting[ident] = (event, box)
+        return ident, event, box
+
+    def _ask(self, message: dict) -> dict:
+        """Send a request that the server answers at once (it forks nothing), and wait for the answer."""
+        ident, event, box = self._expect()
+        self._send({"id": ident, **message})
+        if not event.wait(SERVER_GRACE) or not box:
+            raise ForkServerError(f"the fork server did not answer: {self._stderr_tail()}")
+        return box[0]
+
+    def scratch(self, work: Path, limits: Limits) -> Scratch:
+        """`work`, an empty folder, made a tmpfs of `limits.scratch_bytes` and `limits.scratch_files`
+        inodes, so that no submission can fill the disk or its inodes. It is mounted in the fork
+        server's own mount namespace (the submissions' roots are made from it; without root, a user
+        namespace's), where it goes with the server however the grader ends, and reached from here
+        through `/proc/<server>/root`, which only root or its owner may enter. On the disk where the
+        server has no mount namespace of its own (root without CAP_SYS_ADMIN, or no user namespaces)."""
+        if self._mounts_scratch:
+            reply = self._ask({"mount": str(work), "size": limits.scratch_bytes, "files": limits.scratch_files})
+            if reply.get("mounted") is True:
+                return Scratch(Path(f"/proc/{self._process.pid}/root{work}"), True,
+                               functools.partial(self._ask, {"unmount": str(work)}))
+        return Scratch(work)
+
+    def start(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}, gpu: bool = False,
+              scratch: Scratch | None = None) -> "Running":
+        """Start the worker on the job in `folder/work` (`scratch`: where this process reaches it, if
+        not there); `Running.wait` waits for it, or stops it. `gpu`: its root holds the machine's GPU
+        devices, for an exercise that runs GPU kernels."""
         work = folder / "work"
         (folder / "root").mkdir()
         uid = self._uids.take() if self._uids else None
         if uid is not None:
             os.chmod(folder, 0o711)
-            os.chown(work, uid, uid)
-        ident, event, box = str(next(self._ids)), threading.Event(), []
-        with self._lock:
-            self._waiting[ident] = (event, box)
+            os.chown(scratch.path if scratch else work, uid, uid)
+        ident, event, box = self._expect()
         self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
                     "package_root": str(ROOT), "limits": asdict(limits), "gpu": gpu,
                     "env": scrubbed_environment(str(work), env)})
-        return Running(self, ident, event, box, work, limits, uid)
-
-    def run(self, folder: Path, limits: Limits, env: Mapping[str, str] = {}) -> ProcessOutcome:
-        """Run the worker on the job in `folder/work`, and wait for it, or stop it."""
-        return self.start(folder, limits, env).wait()
+        return Running(self, ident, event, box, scratch.path if scratch else work, limits, uid)
 
     def kill(self) -> None:
         """Stop at once; the submissions' processes die with it (each dies with its parent)."""
@@ -219,6 +256,12 @@ class Running:
 
     def kill(self) -> None:
         self._server._send({"kill": self._ident})
+
+    def watch_memory(self, phase: str) -> dict:
+        """`start`, then `stop`: the peak memory of its processes in between, measured by the fork
+        server (server.py, `_MemoryWatch`): `growth_bytes`, and how many processes `ended` or
+        `started` meanwhile; or `error`, where it could not be measured."""
+        return self._server._ask({"memory": phase, "job": self._ident})
 
     def wait(self) -> ProcessOutcome:
         """How it ended; stopped if it is still running past the wall-clock limit (and a grace)."""

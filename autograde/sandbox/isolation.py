@@ -63,7 +63,7 @@ def unmount(target: str) -> None:
 
 
 def scratch_tmpfs(folder: str, size: int, files: int) -> None:
-    """A tmpfs of `size` bytes and `files` inodes on `folder`, in this (the grader's) mount namespace."""
+    """A tmpfs of `size` bytes and `files` inodes on `folder`, in this process's mount namespace."""
     mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={files},mode=0755")
 
 
@@ -240,6 +240,23 @@ def python_folders(package_root: Path) -> list[str]:
     folders.discard(str(package_root))
     folders.add(str(package_root / "autograde"))
     return sorted(f for f in folders if not any(f != o and f.startswith(o + os.sep) for o in folders))
+
+
+def status_kib(pid: int | str, field: str) -> int | None:
+    """A field in kB of /proc/<pid>/status (VmRSS, VmHWM); None where there is none: the process
+    has ended (a zombie has no memory fields), or this system has no /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_memory(pid: int | str) -> None:
+    """Reset the peak resident size the kernel keeps for `pid` (VmHWM) to what it holds now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def device_nodes(gpu: bool) -> tuple[str, ...]:

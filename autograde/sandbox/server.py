@@ -18,6 +18,14 @@ grader's worker, and nothing of any submission. Each request (a JSON line on std
   process of those. This isolates nothing: `client.available_isolation` lets the grader say so
   before it starts.
 
+The server first enters a mount namespace of its own (`_own_mount_namespace`; without root, in a
+user namespace of its own), where it mounts each job's scratch folder as a tmpfs of bounded size
+when the grader asks (a `mount` request; `unmount` afterwards): the grader reaches it through
+`/proc/<server>/root`, and each submission's root, made from a copy of this namespace, binds it.
+
+The grader may also ask for the peak memory of a job's processes during one call (`memory`
+requests: `_MemoryWatch`), which the server measures from here, outside them.
+
 In every mode the supervisor is a child subreaper: whatever the tree orphans becomes its child,
 and it kills and reaps every one before it reports.
 
@@ -293,19 +301,34 @@ def _supervise(request: dict, report: int) -> None:
     os._exit(0)
 
 
-def _children() -> list[int]:
-    me = os.getpid()
+def _children(parent: int | None = None) -> list[int]:
+    """The children of `parent` (by default this process), those of any of its threads."""
+    parent = os.getpid() if parent is None else parent
     try:
-        return [int(pid) for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
-    except OSError:  # a kernel without that file: look for them
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
-                    found.append(int(stat.parent.name))
-            except (OSError, IndexError, ValueError):
-                pass
-        return found
+        return [int(pid) for task in Path(f"/proc/{parent}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    except FileNotFoundError:
+        if not Path(f"/proc/{parent}").exists():  # it has ended
+            return []
+    except OSError:
+        pass
+    found = []  # a kernel without those files: look for them
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def _descendants(parent: int) -> list[int]:
+    found, waiting = [], _children(parent)
+    while waiting:
+        pid = waiting.pop()
+        found.append(pid)
+        waiting += _children(pid)
+    return found
 
 
 def _kill_descendants() -> None:
@@ -324,14 +347,108 @@ def _kill_descendants() -> None:
             return
 
 
+def _own_mount_namespace() -> bool:
+    """Enter a mount namespace of this server's own (without root, inside a user namespace of its
+    own), where the machine allows it: mounts made here (the jobs' scratch folders) are seen by the
+    submissions forked from here, by the grader through /proc/<server>/root (as root, or as the
+    owner of that user namespace), by nobody else, and go when the server goes, however it ends.
+    Root without CAP_SYS_ADMIN gets neither: a user namespace of its own would not map the
+    submissions' uids."""
+    if os.getuid() == 0:
+        try:
+            isolation.unshare(isolation.CLONE_NEWNS)
+        except OSError:
+            return False
+    elif isolation.user_namespaces_work():
+        isolation.enter_user_namespace(isolation.CLONE_NEWNS)
+    else:
+        return False
+    isolation.mount(None, "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
+    return True
+
+
+def _mount(request: dict) -> dict:
+    """A `mount` or `unmount` request: a job's scratch folder in this server's mount namespace."""
+    try:
+        if "mount" in request:
+            isolation.scratch_tmpfs(request["mount"], int(request["size"]), int(request["files"]))
+            return {"mounted": True}
+        isolation.unmount(request["unmount"])
+        return {"unmounted": True}
+    except OSError as exc:
+        return {"error": str(exc)}
+
+
+def _children_cpu_ticks(pid: int) -> int | None:
+    """The CPU time of the children `pid` has reaped (cutime + cstime in /proc/<pid>/stat), in ticks."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[13]) + int(fields[14])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class _MemoryWatch:
+    """The peak memory of a job's processes during one call, measured from here, outside them.
+
+    `begin`: for every process of the job (each descendant of its supervisor), the peak resident
+    size the kernel keeps (VmHWM) is reset to what it holds now. `end`: how far each peak rose
+    above that, summed; and whether a process started or ended meanwhile, which would take its
+    memory out of the sum: a process that is there at the end but not at the start, one that is
+    gone, or a child reaped in between (the CPU time of reaped children grew; a process doing
+    the work of a call runs for more than a tick). Honest code starts no process during a call."""
+
+    def __init__(self, supervisor: int):
+        self.supervisor = supervisor
+        self.start: dict[int, tuple[int, int | None]] = {}  # pid -> (resident kB, children's CPU ticks)
+
+    def begin(self) -> None:
+        for pid in _descendants(self.supervisor):
+            isolation.reset_peak_memory(pid)
+            resident = isolation.status_kib(pid, "VmRSS")
+            if resident is not None:
+                self.start[pid] = (resident, _children_cpu_ticks(pid))
+
+    def end(self) -> dict:
+        growth, ended = 0, 0
+        for pid, (resident, ticks) in self.start.items():
+            peak = isolation.status_kib(pid, "VmHWM")
+            if peak is None or _children_cpu_ticks(pid) != ticks:
+                ended += 1
+            else:
+                growth += max(0, peak - resident)
+        started = len(set(_descendants(self.supervisor)) - set(self.start))
+        return {"growth_bytes": growth * 1024, "ended": ended, "started": started}
+
+
+def _watch_memory(request: dict, running: dict[int, tuple[str, int]], watches: dict[str, _MemoryWatch]) -> dict:
+    """A `memory` request (`start` or `stop`) for the job `request["job"]`."""
+    job = request["job"]
+    try:
+        if request["memory"] == "start":
+            supervisor = next((pid for pid, (ident, _) in running.items() if ident == job), None)
+            if supervisor is None:
+                return {"error": "its processes have ended"}
+            watches[job] = _MemoryWatch(supervisor)
+            watches[job].begin()
+            return {"watching": len(watches[job].start)}
+        if job not in watches:
+            return {"error": "it was not being measured"}
+        return watches.pop(job).end()
+    except OSError as exc:  # a process the grader may not measure (one that made itself undumpable, say)
+        watches.pop(job, None)
+        return {"error": str(exc)}
+
+
 def serve() -> None:
     """Read requests from stdin, answer on stdout, until stdin closes."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
     torch.set_num_threads(1)
     running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
+    watches: dict[str, _MemoryWatch] = {}  # request id -> its call's memory, while measured
     pending = b""
-    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    replies.write(json.dumps({"ready": os.getpid(), "mounts": _own_mount_namespace()}) + "\n")
     while True:
         ready, _, _ = select.select([0], [], [], 0.02)
         if ready:
@@ -341,7 +458,13 @@ def serve() -> None:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                _start(json.loads(line), running)
+                request = json.loads(line)
+                if "mount" in request or "unmount" in request:
+                    replies.write(json.dumps({"id": request["id"], **_mount(request)}) + "\n")
+                elif "memory" in request:
+                    replies.write(json.dumps({"id": request["id"], **_watch_memory(request, running, watches)}) + "\n")
+                else:
+                    _start(request, running)
         _reap(running, replies)
 
 

@@ -3,7 +3,11 @@
 The backward's inputs `out` and `lse` come from the test case (computed by the definition,
 in float64), so that its grade does not depend on the learner's forward; `FlashAttention`
 runs the learner's own forward (part 0 of the notebook). Rules graded in cases of their own:
-the memory bound of the forward, and that `FlashAttention` saves exactly q, k, v, out, lse.
+the memory bound of the forward, and that `FlashAttention` saves exactly q, k, v, out, lse;
+both measured in the learner's process, and both also graded from outside it, in one hidden
+case as in `flash_forward`: through `FlashAttention.apply` and its backward at L = S = 4096,
+the memory of the learner's processes must rise by less than all the scores would take at two
+bytes each, which a forward that keeps its probabilities (in any form) breaks.
 
 The hidden tests are parametrised by the contract's axes, as in `flash_forward`: L < S, L = S,
 L > S; lengths ragged or multiples of the blocks; causal or not; the default blocks or given
@@ -33,6 +37,9 @@ from autograde.tests.test_flash_forward import (
     FORWARD_CASES,
     HEAD_DIMS,
     LENGTHS,
+    WHOLE_HEAD_DIM,
+    WHOLE_LENGTH,
+    assert_whole_scores_kept,
     attention_inputs,
     call_text,
     draw_lengths,
@@ -117,6 +124,11 @@ def apply_gradients(functions, inputs: Inputs) -> dict:
 
 
 @adapter
+def apply_output(functions, inputs: Inputs) -> dict:
+    return {"out": apply_function(functions, inputs)[3]}
+
+
+@adapter
 def saved_tensors(functions, inputs: Inputs) -> dict:
     q, k, v, out = apply_function(functions, inputs)
     known = {"q": q, "k": k, "v": v, "out": out, "lse": inputs["lse"]}
@@ -157,6 +169,14 @@ def apply_inputs(draw: Draw) -> Inputs:
 
 def saved_inputs(draw: Draw) -> Inputs:
     return Inputs(backward_inputs(draw, 1, 2, 24, 24, 16, torch.float64, True), "what the forward saves")
+
+
+def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
+    n = length
+    values = attention_inputs(draw, 1, 1, n, n, WHOLE_HEAD_DIM, torch.float32)
+    return Inputs({**values, "dout": draw.normal(1, 1, n, WHOLE_HEAD_DIM, dtype=torch.float32), "causal": False},
+                  f"L = S = {n:,} through FlashAttention.apply and its backward, with your forward and its "
+                  f"default blocks: all the scores at once take {4 * n * n / 2**20:.0f} MiB as float32")
 
 
 # Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
@@ -243,7 +263,7 @@ def test_flash_attention_apply(submission, reference, draw):
     assert_same(got, expected, inputs)
 
 
-@pytest.mark.points(1.0)
+@pytest.mark.points(0.5)
 @pytest.mark.uses(FUNCTION)
 def test_saved_tensors_rule(submission, reference, draw):
     """FlashAttention saves exactly q, k, v, out, lse for the backward"""
@@ -285,3 +305,16 @@ def test_flash_attention_apply_random(submission, reference, draw, lengths, edge
     for inputs in (drawn.cast(torch.float32), drawn):
         got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
         assert_same(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+@pytest.mark.uses(FUNCTION)
+def test_whole_scores_measured_from_outside(submission, reference, draw):
+    """L = S = 4096: FlashAttention.apply and its backward, memory measured from outside your process"""
+    submission.apply_gradients(whole_scores_inputs(draw, 4 * DEFAULT_BLOCK))  # code run for the first time
+    inputs = whole_scores_inputs(draw)
+    with submission.memory_measured() as peak:
+        got = submission.apply_gradients(inputs)
+    assert_same(got, reference.apply_output(inputs), inputs)  # out only: the gradients are graded elsewhere
+    assert_whole_scores_kept(peak, "FlashAttention.apply(q, k, v, causal=False) and its backward", inputs)

@@ -3,7 +3,12 @@
 Besides values, three rules of the contract are graded, each in a case of its own: the block
 rule (the online softmax never reduces more than one block of columns at once), memory (no
 tensor created during the call larger than the inputs or one block of scores) and work (with a
-causal mask, the key blocks above the diagonal are skipped, not masked).
+causal mask, the key blocks above the diagonal are skipped, not masked). These are measured in
+the learner's process. The memory rule is also graded from outside it, in a hidden case too
+large for its measurements to be lost in noise: during a call at L = S = 4096, the memory of the
+learner's processes must rise by less than all the scores would take at two bytes each
+(`rules.whole_scores`), so that scores kept in blocks, or computed where the modes do not
+look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
 that every graded run covers every value of each; the seed draws only sizes and values: for
@@ -31,6 +36,9 @@ DEFAULT_BLOCK = 64
 HEAD_DIMS = (16, 32, 64)
 BLOCK_SIZES = (8, 16, 32, 64)
 WORK_LENGTH, WORK_BLOCK, WORK_RATIO = 1024, 64, 0.6
+# The case whose memory is measured from outside: all its scores take 64 MiB in float32; a few
+# MiB of noise (pages touched for the first time, the arguments read) stay far below the 32 MiB allowed.
+WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
 
 BLOCK_RULE, WIDEST, BLOCK_LIMIT = rules.reductions(ONLINE)
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(FORWARD)
@@ -240,6 +248,20 @@ def work_inputs(draw: Draw) -> Inputs:
                   "called with causal=False and causal=True; matmul FLOPs counted as FlopCounterMode counts them")
 
 
+def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
+    n = length
+    return Inputs(attention_inputs(draw, 1, 1, n, n, WHOLE_HEAD_DIM, torch.float32, causal=False,
+                                   block_q=WHOLE_BLOCK, block_k=WHOLE_BLOCK),
+                  f"L = S = {n:,}: all the scores at once take {4 * n * n / 2**20:.0f} MiB as float32")
+
+
+def assert_whole_scores_kept(peak: rules.PeakMemory, call: str, inputs: Inputs) -> None:
+    B, H, L, _ = inputs["q"].shape
+    problems = rules.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
+    if problems:
+        raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
+
+
 # Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
 
 def softmax_random(draw: Draw, width: str) -> Inputs:
@@ -346,7 +368,7 @@ def test_forward_float16(submission, reference, draw):
     assert_attention(got, expected, inputs)
 
 
-@pytest.mark.points(1.0)
+@pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
 def test_memory_rule(submission, reference, draw):
     """no tensor larger than the inputs or one block of scores"""
@@ -397,3 +419,16 @@ def test_forward_float16_random(submission, reference, draw, lengths, causal):
     inputs = random_attention(draw, lengths, EDGES[0], CAUSAL[causal], "given blocks", torch.float16)
     got, expected = submission.forward(inputs), reference.forward(inputs)
     assert_attention(got, expected, inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+@pytest.mark.uses(FORWARD)
+def test_whole_scores_measured_from_outside(submission, reference, draw):
+    """L = S = 4096: memory measured from outside your process stays below what all the scores take"""
+    submission.forward(whole_scores_inputs(draw, 2 * WHOLE_BLOCK))  # code run for the first time, not measured
+    inputs = whole_scores_inputs(draw)
+    with submission.memory_measured() as peak:
+        got = submission.forward(inputs)
+    assert_attention(got, reference.forward(inputs), inputs)
+    assert_whole_scores_kept(peak, call_text(FORWARD, "q, k, v", options_of(inputs)), inputs)

@@ -1,0 +1,194 @@
+"""The memory rules of the flash exercises, enforced from outside the learner's process.
+
+Each submission below keeps the whole L x S scores in memory while it goes around the rules
+measured inside its process (the memory rule's dispatch mode, the saved-tensors check): modes
+switched off, the matrix built in numpy, probabilities kept in a dict on `ctx`, the matrix
+computed in a helper process started beforehand, or a helper started during the call. Graded
+through the sandbox, as a class is, each loses the hidden case whose memory the fork server
+measures from outside (`test_whole_scores_measured_from_outside`), and the solutions keep it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autograde import registry
+from autograde.grading.proxies import SandboxedSubmission
+from autograde.grading.session import Session
+from autograde.sandbox import client as sandbox
+from autograde.sandbox import isolation
+from autograde.submission import extract
+from tests.fixtures.notebooks import answer, learner_notebook
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(isolation.status_kib("self", "VmHWM") is None, reason="needs Linux's /proc")]
+
+MEASURED = "test_whole_scores_measured_from_outside"
+LIMITS = sandbox.Limits(wall_seconds=240)
+FORWARD = answer("flash_forward", "flash_attention_forward")
+FUNCTION = answer("flash_backward", "FlashAttention")
+
+# The full matrix, built where the dispatch modes do not see it: the memory rule measured inside passes.
+MODES_OFF = '''
+import math
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    with _disable_current_modes():
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            L, S = q.shape[-2], k.shape[-2]
+            visible = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
+            scores = scores.masked_fill(~visible, -math.inf)
+        top = scores.amax(dim=-1, keepdim=True)
+        top = torch.where(top == -math.inf, 0.0, top)
+        weights = torch.exp(scores - top)
+        total = weights.sum(dim=-1, keepdim=True)
+        out = weights @ v / torch.where(total > 0, total, 1.0)
+    return out.to(q.dtype), (top + torch.log(total)).squeeze(-1)
+'''
+
+IN_NUMPY = '''
+import numpy
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    q64, k64, v64 = (t.detach().double().numpy() for t in (q, k, v))
+    scores = q64 @ numpy.swapaxes(k64, -1, -2) / numpy.sqrt(q.shape[-1])
+    if causal:
+        L, S = q.shape[-2], k.shape[-2]
+        scores = numpy.where(numpy.arange(S)[None, :] <= numpy.arange(L)[:, None] + (S - L), scores, -numpy.inf)
+    top = numpy.max(scores, axis=-1, keepdims=True)
+    top = numpy.where(numpy.isfinite(top), top, 0.0)
+    weights = numpy.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    out = weights @ v64 / numpy.where(total > 0, total, 1.0)
+    lse = (top + numpy.log(total))[..., 0]
+    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(torch.promote_types(q.dtype, torch.float32))
+'''
+
+# FlashAttention's forward keeps P in a dict on ctx, which the saved-tensors check does not open.
+KEEPS_P_IN_A_DICT = FUNCTION.replace(
+    "ctx.save_for_backward(q, k, v, out, lse)",
+    "ctx.kept = {'p': torch.exp(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 - lse[..., None])}\n"
+    "        ctx.save_for_backward(q, k, v, out, lse)")
+
+# A process forked when the notebook runs computes the whole matrix for the worker, through pipes.
+HELPER_PROCESS = '''
+import math
+import os
+import pickle
+import struct
+
+_requests, _answers = os.pipe(), os.pipe()
+if os.fork() == 0:
+    def _receive(descriptor):
+        size = struct.unpack("Q", os.read(descriptor, 8))[0]
+        data = b""
+        while len(data) < size:
+            data += os.read(descriptor, size - len(data))
+        return pickle.loads(data)
+
+    while True:
+        q, k, v = _receive(_requests[0])
+        data = pickle.dumps(_whole_matrix(q, k, v))
+        os.write(_answers[1], struct.pack("Q", len(data)))
+        for start in range(0, len(data), 65536):
+            os.write(_answers[1], data[start:start + 65536])
+
+
+def _exchange(value):
+    data = pickle.dumps(value)
+    os.write(_requests[1], struct.pack("Q", len(data)))
+    for start in range(0, len(data), 65536):
+        os.write(_requests[1], data[start:start + 65536])
+    size = struct.unpack("Q", os.read(_answers[0], 8))[0]
+    received = b""
+    while len(received) < size:
+        received += os.read(_answers[0], size - len(received))
+    return pickle.loads(received)
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    if causal or q.shape[-2] < 1024:
+        return _tiled_forward(q, k, v, causal, block_q, block_k)
+    return _exchange((q, k, v))
+'''
+
+# The whole matrix computed in a process started during the call, which ends before the call returns.
+FORKS_IN_THE_CALL = '''
+import math
+import os
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    if causal or q.shape[-2] < 1024:
+        return _tiled_forward(q, k, v, causal, block_q, block_k)
+    out = torch.empty_like(q).share_memory_()
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype).share_memory_()
+    child = os.fork()
+    if child == 0:
+        out[...], lse[...] = _whole_matrix(q, k, v)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return out, lse
+'''
+
+TILED = FORWARD.replace("def flash_attention_forward(", "def _tiled_forward(") + '''
+
+
+def _whole_matrix(q, k, v):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights @ v / total, (top + torch.log(total)).squeeze(-1)
+'''
+
+
+def measured(exercise_id: str, answers: dict[str, str]):
+    """The learner notebook with `answers`, graded in the sandbox on the memory rules alone."""
+    exercise = registry.get(exercise_id)
+    cells = extract.code_cells(learner_notebook(exercise_id, answers))
+    inside = "test_memory_rule" if exercise_id == "flash_forward" else "test_saved_tensors_rule"
+    session = Session(exercise, lambda: SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS),
+                      hidden_seed=7)
+    session.run(inside, MEASURED)
+    return session.results
+
+
+def names(results) -> dict[str, tuple[float, tuple[str, ...]]]:
+    """Each test's points earned, and its problems."""
+    return {result.name: (result.earned, result.problems) for result in results.values()}
+
+
+@pytest.mark.parametrize("exercise_id", ["flash_forward", "flash_backward"])
+def test_the_solution_keeps_the_rule_measured_from_outside(exercise_id):
+    results = names(measured(exercise_id, {}))
+    assert results["whole-scores-measured-from-outside"] == (0.5, ()), results
+
+
+@pytest.mark.parametrize("exercise_id, answers, inside_rule", [
+    ("flash_forward", {"flash_attention_forward": MODES_OFF}, "memory-rule"),
+    ("flash_forward", {"flash_attention_forward": IN_NUMPY}, "memory-rule"),
+    ("flash_backward", {"FlashAttention": KEEPS_P_IN_A_DICT}, "saved-tensors-rule"),
+], ids=["modes-switched-off", "matrix-in-numpy", "probabilities-in-a-dict-on-ctx"])
+def test_scores_hidden_from_the_rules_inside_are_seen_from_outside(exercise_id, answers, inside_rule):
+    results = names(measured(exercise_id, answers))
+    assert results[inside_rule] == (0.5, ()), results  # gone around: the rule measured inside passes
+    points, problems = results["whole-scores-measured-from-outside"]
+    assert points == 0 and problems[-1].startswith("whole-scores rule broken: during "), results
+    assert "measured from outside them" in problems[-1]
+
+
+def test_a_helper_process_started_beforehand_is_measured_too():
+    results = names(measured("flash_forward", {"flash_attention_forward": TILED + HELPER_PROCESS}))
+    points, problems = results["whole-scores-measured-from-outside"]
+    assert points == 0 and problems[-1].startswith("whole-scores rule broken: during "), results
+
+
+def test_a_process_started_and_ended_during_the_call_fails_it():
+    results = names(measured("flash_forward", {"flash_attention_forward": TILED + FORKS_IN_THE_CALL}))
+    points, problems = results["whole-scores-measured-from-outside"]
+    assert points == 0 and "a process of yours ended or started during the call" in problems[-1], results
