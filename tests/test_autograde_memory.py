@@ -11,9 +11,10 @@ measures from outside (`test_whole_scores_measured_from_outside`), and the solut
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autograde import registry
-from autograde.grading.proxies import SandboxedSubmission
+from autograde.grading.proxies import LocalSubmission, SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
@@ -192,3 +193,26 @@ def test_a_process_started_and_ended_during_the_call_fails_it():
     results = names(measured("flash_forward", {"flash_attention_forward": TILED + FORKS_IN_THE_CALL}))
     points, problems = results["whole-scores-measured-from-outside"]
     assert points == 0 and "a process of yours ended or started during the call" in problems[-1], results
+
+
+def test_a_learners_kernel_measures_its_own_calls():
+    """check() and nbgrader's cells measure in the learner's own process (advisory), as the fork server would."""
+    submission = LocalSubmission(registry.get("flash_forward"), {})
+    with submission.memory_measured() as quiet:
+        pass
+    with submission.memory_measured() as busy:
+        kept = torch.ones(2**25)  # 128 MiB, written
+    assert kept.sum() == 2**25
+    assert quiet.growth_bytes < 16 * 2**20 and busy.growth_bytes >= 128 * 2**20, (quiet, busy)
+
+
+def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
+    """On macOS (no /proc): the peak since the process started, which the call must pass to count."""
+    def no_proc(pid):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(isolation, "reset_peak_memory", no_proc)
+    with LocalSubmission(registry.get("flash_forward"), {}).memory_measured() as peak:
+        kept = torch.ones(2**25)
+    assert kept.sum() == 2**25
+    assert peak.problem == "" and peak.growth_bytes is not None and peak.growth_bytes >= 0
