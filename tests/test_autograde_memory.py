@@ -19,6 +19,7 @@ from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
 from autograde.submission import extract
+from tests.fixtures.implementations import FULL_MATRIX_FORWARD
 from tests.fixtures.notebooks import answer, learner_notebook
 
 pytestmark = [pytest.mark.timeout(600),
@@ -29,25 +30,14 @@ LIMITS = sandbox.Limits(wall_seconds=240)
 FORWARD = answer("flash_forward", "flash_attention_forward")
 FUNCTION = answer("flash_backward", "FlashAttention")
 
-# The full matrix, built where the dispatch modes do not see it: the memory rule measured inside passes.
-MODES_OFF = '''
-import math
-from torch.utils._python_dispatch import _disable_current_modes
+WHOLE_MATRIX = FULL_MATRIX_FORWARD.replace("def flash_attention_forward(", "def _whole_matrix_forward(")
 
+# The full matrix, built where the dispatch modes do not see it: the memory rule measured inside passes.
+MODES_OFF = "from torch.utils._python_dispatch import _disable_current_modes\n" + WHOLE_MATRIX + '''
 
 def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     with _disable_current_modes():
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if causal:
-            L, S = q.shape[-2], k.shape[-2]
-            visible = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
-            scores = scores.masked_fill(~visible, -math.inf)
-        top = scores.amax(dim=-1, keepdim=True)
-        top = torch.where(top == -math.inf, 0.0, top)
-        weights = torch.exp(scores - top)
-        total = weights.sum(dim=-1, keepdim=True)
-        out = weights @ v / torch.where(total > 0, total, 1.0)
-    return out.to(q.dtype), (top + torch.log(total)).squeeze(-1)
+        return _whole_matrix_forward(q, k, v, causal)
 '''
 
 IN_NUMPY = '''
@@ -93,7 +83,7 @@ if os.fork() == 0:
 
     while True:
         q, k, v = _receive(_requests[0])
-        data = pickle.dumps(_whole_matrix(q, k, v))
+        data = pickle.dumps(_whole_matrix_forward(q, k, v))
         os.write(_answers[1], struct.pack("Q", len(data)))
         for start in range(0, len(data), 65536):
             os.write(_answers[1], data[start:start + 65536])
@@ -130,22 +120,13 @@ def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     lse = torch.empty(q.shape[:-1], dtype=q.dtype).share_memory_()
     child = os.fork()
     if child == 0:
-        out[...], lse[...] = _whole_matrix(q, k, v)
+        out[...], lse[...] = _whole_matrix_forward(q, k, v)
         os._exit(0)
     os.waitpid(child, 0)
     return out, lse
 '''
 
-TILED = FORWARD.replace("def flash_attention_forward(", "def _tiled_forward(") + '''
-
-
-def _whole_matrix(q, k, v):
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - top)
-    total = weights.sum(dim=-1, keepdim=True)
-    return weights @ v / total, (top + torch.log(total)).squeeze(-1)
-'''
+TILED = FORWARD.replace("def flash_attention_forward(", "def _tiled_forward(") + WHOLE_MATRIX
 
 
 def measured(exercise_id: str, answers: dict[str, str]):

@@ -302,7 +302,7 @@ json.dump({"written": written, "error": error}, open("facts.json", "w"))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(os.getuid() != 0, reason="a tmpfs of its own needs root")
+@pytest.mark.skipif(os.getuid() != 0, reason="as root; tests/test_autograde_unprivileged.py fills it without root")
 def test_a_submission_cannot_fill_the_graders_disk(tmp_path: Path):
     """Its scratch folder is a tmpfs of bounded size: writing 1 GiB stops at the bound, with ENOSPC."""
     limits = sandbox.Limits(wall_seconds=60, scratch_bytes=64 * 2**20)

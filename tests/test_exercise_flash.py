@@ -30,7 +30,7 @@ from autograde.grading import grade, reference
 from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
-from tests.fixtures.implementations import Variant, variant_id
+from tests.fixtures.implementations import FULL_MATRIX_FORWARD, Variant, variant_id
 from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, run_cells, sent_inputs, write
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,21 +95,6 @@ def online_softmax(x, block_size):
     return exps / exps.sum(dim=-1, keepdim=True)
 """
 
-FULL_MATRIX_FORWARD = """
-def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
-    L, S = q.shape[-2], k.shape[-2]
-    state = torch.promote_types(q.dtype, torch.float32)
-    scores = q.to(state) @ k.to(state).transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        visible = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
-        scores = scores.masked_fill(~visible, -math.inf)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    shift = torch.where(row_max == -math.inf, 0.0, row_max)
-    exps = torch.exp(scores - shift)
-    total = exps.sum(dim=-1, keepdim=True)
-    out = (exps @ v.to(state)) / torch.where(total > 0, total, 1.0)
-    return out.to(q.dtype), (shift + torch.log(total)).squeeze(-1)
-"""
 
 FULL_MATRIX_BACKWARD = """
 def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):

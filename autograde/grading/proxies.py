@@ -303,17 +303,14 @@ class SandboxedSubmission(_Proxy):
         try:
             yield peak
         finally:
-            if "error" in started:
-                peak.problem = f"the memory of your process could not be measured ({started['error']})"
+            stopped = started if "error" in started else self._watch("stop")
+            if "error" in stopped:
+                peak.problem = f"the memory of your process could not be measured ({stopped['error']})"
+            elif stopped.get("ended") or stopped.get("started"):
+                peak.problem = ("a process of yours ended or started during the call, so its memory could not "
+                                "be measured: compute in the process that was called")
             else:
-                stopped = self._watch("stop")
-                if "error" in stopped:
-                    peak.problem = f"the memory of your process could not be measured ({stopped['error']})"
-                elif stopped.get("ended") or stopped.get("started"):
-                    peak.problem = ("a process of yours ended or started during the call, so its memory could not "
-                                    "be measured: compute in the process that was called")
-                else:
-                    peak.growth_bytes = int(stopped.get("growth_bytes", 0))
+                peak.growth_bytes = int(stopped.get("growth_bytes", 0))
 
     def _watch(self, phase: str) -> dict:
         if self.gone:
