@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -370,6 +372,94 @@ def test_only_an_exercise_that_runs_gpu_kernels_gets_the_gpu(monkeypatch):
     monkeypatch.setattr(isolation.os, "listdir", lambda path: on_a_gpu_machine if path == "/dev" else [])
     assert isolation.device_nodes(gpu=False) == isolation.DEVICES
     assert isolation.device_nodes(gpu=True) == (*isolation.DEVICES, "nvidia-uvm", "nvidia0", "nvidiactl")
+
+
+def test_a_worker_with_the_gpu_is_limited_by_its_data_not_its_address_space(monkeypatch):
+    """CUDA reserves about 18 GB of address space once initialised (H100): under the address-space
+    limit it finds no GPU, so a worker with the GPU has its private writable memory limited instead."""
+    from autograde.sandbox import server
+
+    assert server.memory_rlimit(gpu=True) == server.memory_rlimit(gpu=False) == resource.RLIMIT_AS  # no GPU here
+    monkeypatch.setattr(isolation, "gpu_nodes", lambda: ("nvidia0", "nvidiactl"))
+    assert server.memory_rlimit(gpu=True) == resource.RLIMIT_DATA
+    assert server.memory_rlimit(gpu=False) == resource.RLIMIT_AS
+
+
+ASK_NO_DRIVER = """
+import sys, torch
+def refuse(*args):
+    raise SystemExit("the CUDA driver was asked")
+torch.cuda.is_available = torch.cuda.device_count = torch.cuda.init = refuse
+sys.path.insert(0, sys.argv[1])
+from autograde.sandbox import server
+"""
+
+
+def test_the_fork_server_never_asks_the_cuda_driver():
+    """Asked before the fork server forks, the driver starts a thread of its own (seen on an H100:
+    `cuda00001800007`), and a fork beside a thread is unsafe: the server refused every job. The
+    exercises' modules learn from their environment instead (TRITON_INTERPRET, set by the grader)."""
+    env = {**sandbox.scrubbed_environment("/nonexistent"), **registry.get("flash_triton").env}
+    assert set(env) >= {"TRITON_INTERPRET"}
+    started = subprocess.run([sys.executable, "-I", "-c", ASK_NO_DRIVER, str(sandbox.ROOT)], env=env,
+                             capture_output=True, text=True, cwd="/")
+    assert started.returncode == 0, started.stderr[-2000:]
+
+
+HOLD_THE_GPU = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from autograde.sandbox import client
+held = client.gpu_turn(Path(sys.argv[2]))
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def holding_the_gpu(lock: Path, seconds: float) -> subprocess.Popen:
+    """Another grading process (or run) with a worker on the GPU, for `seconds`; back once it holds it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_GPU, str(sandbox.ROOT), str(lock), str(seconds)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_workers_with_the_gpu_take_turns_across_processes(tmp_path: Path):
+    """One at a time on the machine, whichever grading process or run starts them; a grader that
+    dies gives its turn back with its descriptors."""
+    lock = tmp_path / "gpu.lock"
+    holder = holding_the_gpu(lock, 2.0)
+    started = time.monotonic()
+    sandbox.gpu_turn(lock).close()
+    assert time.monotonic() - started > 1.5 and holder.wait() == 0
+    holder = holding_the_gpu(lock, 60.0)
+    holder.kill()
+    holder.wait()
+    started = time.monotonic()
+    sandbox.gpu_turn(lock).close()
+    assert time.monotonic() - started < 5
+
+
+def test_a_notebook_with_the_gpu_waits_for_its_turn_and_then_runs(tmp_path: Path, monkeypatch):
+    """Where the machine has a GPU, a flash_triton worker starts only once no other worker has the
+    GPU, and its clock starts then; a worker without the GPU never waits."""
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setattr(sandbox, "GPU_TURN_LOCK", lock)
+    monkeypatch.setattr(isolation, "gpu_nodes", lambda: ("nvidia0", "nvidiactl"))
+    sandbox.fork_server()  # started beforehand: its start is no wait for a turn
+    waited = {}
+    for exercise_id in ("sdpa", "flash_triton"):
+        exercise = registry.get(exercise_id)
+        holder = holding_the_gpu(lock, 5.0)
+        started = time.monotonic()
+        submission = SandboxedSubmission(exercise, [(1, f"def {exercise.required[0]}():\n    return 6 * 7")],
+                                         sandbox.Limits(wall_seconds=20), folder=tmp_path / exercise_id)
+        waited[exercise_id] = time.monotonic() - started
+        assert submission.call(exercise.required[0], (), {}) == 42 and submission.close().returncode == 0
+        holder.kill()
+        holder.wait()
+    assert waited["sdpa"] < 4.0 < waited["flash_triton"], waited
 
 
 def test_the_worker_is_started_with_its_exercises_gpu_choice(tmp_path: Path, monkeypatch):

@@ -238,8 +238,14 @@ class SandboxedSubmission(_Proxy):
             os.close(work)
         self._listener.listen(1)
         (self._work / "channel.sock").chmod(0o666)  # the worker runs as a uid of its own
+        # Taken before the clock starts: waiting for another notebook's turn costs this one nothing.
+        self._gpu_turn = sandbox.gpu_turn() if exercise.gpu and isolation.gpu_nodes() else None
         self._deadline = time.monotonic() + limits.wall_seconds
-        self._running = server.start(folder, limits, exercise.env, gpu=exercise.gpu, scratch=self._work_folder)
+        try:
+            self._running = server.start(folder, limits, exercise.env, gpu=exercise.gpu, scratch=self._work_folder)
+        except BaseException:
+            self._end_gpu_turn()
+            raise
         self._names = (f"a{n}" for n in itertools.count())
         self._channel: socket.socket | None = None
         self.gone = ""  # why no more calls can be made, once that is so
@@ -364,6 +370,10 @@ class SandboxedSubmission(_Proxy):
                 kept[entry.name] = wire.read_bytes(self._work / entry.name, limit)
         return kept
 
+    def _end_gpu_turn(self) -> None:
+        if self._gpu_turn is not None:
+            self._gpu_turn.close()
+
     def close(self) -> sandbox.ProcessOutcome:
         if self.outcome is None:
             if self._channel is not None and not self.gone:
@@ -371,7 +381,10 @@ class SandboxedSubmission(_Proxy):
                     wire.send_message(self._channel, {"done": True})
                 except OSError:
                     pass
-            self.outcome = self._running.wait()
+            try:
+                self.outcome = self._running.wait()
+            finally:  # the tree has ended (with the fork server, if that stopped): its GPU memory is free
+                self._end_gpu_turn()
             for resource in (self._channel, self._listener):
                 if resource is not None:
                     resource.close()

@@ -21,6 +21,7 @@ namespace of the fork server's, which the grader reaches through `/proc/<server>
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import itertools
 import json
@@ -33,7 +34,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()"
@@ -48,6 +49,12 @@ UNISOLATED = ("NOT ISOLATED: this machine refuses both the grader's namespaces (
               "profile); each notebook would run without namespaces, able to read what the grader's user can "
               "(without root: the solutions, other students' notebooks, your home) and to reach the network")
 SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader stops waiting
+# Taken from the grader's environment where set: where the loader finds the GPU driver (read once,
+# when the fork server starts) and which GPUs the instructor gave this run (read by CUDA in a
+# worker with the GPU).
+GPU_ENVIRONMENT = ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+# Every grading process and run on this machine takes it before starting a worker with the GPU.
+GPU_TURN_LOCK = Path("/tmp/autograde-gpu.lock")
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,35 @@ def scrubbed_environment(home: str, extra: Mapping[str, str] = {}) -> dict[str, 
         "LANG": "C.UTF-8", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads, "PYTHONHASHSEED": "0", **extra,
     }
+
+
+def gpu_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in GPU_ENVIRONMENT if name in os.environ}
+
+
+def gpu_turn(lock: Path | None = None) -> BinaryIO:
+    """Wait until no worker with the machine's GPUs runs, in any grading process or run on this
+    machine, and hold the GPUs until the returned file is closed (or this process ends).
+
+    A GPU's memory and time are beyond the rlimits and the cgroup (THREAT_MODEL.md, "GPUs"), so
+    one submission holding them would cost a notebook beside it its grade; one at a time, a
+    submission can only cost its own. A lock file (flock) rather than a semaphore, so that runs
+    side by side take turns too, and a grader that dies gives its turn back with its descriptors.
+    """
+    lock = lock or GPU_TURN_LOCK
+    while True:
+        try:  # not created if there: the sticky /tmp refuses O_CREAT on another user's file
+            descriptor = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            break
+        except FileNotFoundError:
+            try:
+                descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+                break
+            except FileExistsError:
+                continue  # another grader made it meanwhile
+    held = os.fdopen(descriptor, "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    return held
 
 
 def read_tail(path: Path, size: int = OUTPUT_TAIL) -> str:
@@ -143,7 +179,8 @@ class ForkServer:
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
-            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **needed}),
+            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **gpu_environment(),
+                                                      **needed}),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True,
         )
@@ -225,7 +262,7 @@ class ForkServer:
         ident, event, box = self._expect()
         self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
                     "package_root": str(ROOT), "limits": asdict(limits), "gpu": gpu,
-                    "env": scrubbed_environment(str(work), env)})
+                    "env": scrubbed_environment(str(work), {**(gpu_environment() if gpu else {}), **env})})
         return Running(self, ident, event, box, scratch.path if scratch else work, limits, uid)
 
     def kill(self) -> None:

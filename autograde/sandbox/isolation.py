@@ -207,9 +207,9 @@ def _remount(target: Path, flags: int) -> None:
     mount(None, str(target), None, MS_REMOUNT | MS_BIND | kept | flags)
 
 
-def _read_only_bind(source: str, target: Path, extra: int = MS_NOSUID | MS_NODEV) -> None:
+def _read_only_bind(source: str, target: Path, extra: int = MS_NOSUID | MS_NODEV, recursive: bool = False) -> None:
     try:
-        mount(source, str(target), None, MS_BIND)
+        mount(source, str(target), None, MS_BIND | (MS_REC if recursive else 0))
     except IsolationError as exc:
         if exc.errno != 22:
             raise
@@ -259,11 +259,15 @@ def reset_peak_memory(pid: int | str) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
+def gpu_nodes() -> tuple[str, ...]:
+    """The machine's CUDA GPU device nodes under /dev (none on a machine without one)."""
+    return tuple(sorted(name for name in os.listdir("/dev") if name.startswith(GPU_DEVICE_PREFIX)))
+
+
 def device_nodes(gpu: bool) -> tuple[str, ...]:
     """The names under /dev that a worker's root holds: a few harmless ones, and the GPU's if
     its exercise needs the GPU and the machine has one."""
-    gpu_nodes = sorted(name for name in os.listdir("/dev") if name.startswith(GPU_DEVICE_PREFIX)) if gpu else []
-    return DEVICES + tuple(gpu_nodes)
+    return DEVICES + (gpu_nodes() if gpu else ())
 
 
 def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = False) -> None:
@@ -280,14 +284,17 @@ def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = 
         if os.path.islink(folder):  # /bin -> usr/bin on merged-/usr systems
             os.symlink(os.readlink(folder), new_root / folder.lstrip("/"))
         elif os.path.isdir(folder):
-            _read_only_bind(folder, _place(new_root, folder, True))
+            # With the GPU, with the mounts below them: the driver's libraries are often a mount of
+            # their own (/usr/local/nvidia on a cloud VM; file by file in a GPU container).
+            _read_only_bind(folder, _place(new_root, folder, True), recursive=gpu)
     for folder in python_folders(package_root):
         _read_only_bind(folder, _place(new_root, folder, True))
     dev = _place(new_root, "/dev", True)
     mount("tmpfs", str(dev), "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     for name in device_nodes(gpu):
-        if os.path.exists(f"/dev/{name}"):
-            mount(f"/dev/{name}", str(_place(new_root, f"/dev/{name}", False)), None, MS_BIND)
+        if os.path.exists(f"/dev/{name}"):  # a node, or a folder of them (/dev/nvidia-caps)
+            mount(f"/dev/{name}", str(_place(new_root, f"/dev/{name}", os.path.isdir(f"/dev/{name}"))), None,
+                  MS_BIND | MS_REC)
     shm = _place(new_root, "/dev/shm", True)
     mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     mount(str(scratch), str(_place(new_root, str(scratch), True)), None, MS_BIND)

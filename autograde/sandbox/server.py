@@ -59,10 +59,18 @@ from autograde.sandbox import isolation, syscall_filter, worker
 STDOUT_TAIL = 1500
 
 
-def _limits(limits: dict, processes: int) -> None:
+def memory_rlimit(gpu: bool) -> int:
+    """What bounds the submission's memory per process: its address space, except for a worker
+    with the GPU, where CUDA reserves far more address space than it uses (about 18 GB once
+    initialised, on an H100; under an address-space limit of 6 GiB it finds no GPU, "out of
+    memory"): there its private writable memory (RLIMIT_DATA), which those reservations are not."""
+    return resource.RLIMIT_DATA if gpu and isolation.gpu_nodes() else resource.RLIMIT_AS
+
+
+def _limits(limits: dict, processes: int, gpu: bool) -> None:
     for which, value in (
         (resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 5)),
-        (resource.RLIMIT_AS, (limits["memory_bytes"], limits["memory_bytes"])),
+        (memory_rlimit(gpu), (limits["memory_bytes"], limits["memory_bytes"])),
         (resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"])),
         (resource.RLIMIT_NOFILE, (limits["open_files"], limits["open_files"])),
         (resource.RLIMIT_NPROC, (processes, processes)),
@@ -101,7 +109,7 @@ def _run_submission(request: dict, mode: str) -> None:
         processes = request["limits"]["extra_processes"]
         if uid is None:  # the limit counts every process of the uid (in its user namespace, if it has one)
             processes += sum(_user_processes(os.getuid()).values())
-        _limits(request["limits"], processes)
+        _limits(request["limits"], processes, request["gpu"])
         if mode == "userns":  # as root in the namespace, or its owner: no capability kept
             isolation.drop_capabilities(uid)
         elif uid is not None:
@@ -474,8 +482,10 @@ def _start(request: dict, running: dict[int, tuple[str, int]]) -> None:
             if ident == request["kill"]:
                 os.kill(pid, signal.SIGKILL)
         return
-    if len(os.listdir("/proc/self/task")) != 1:
-        raise RuntimeError("the fork server has started a thread; forking now would be unsafe")
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:
+        names = sorted(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in threads)
+        raise RuntimeError(f"the fork server has started a thread; forking now would be unsafe ({', '.join(names)})")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
