@@ -9,6 +9,11 @@
    cuDNN and math backends) and the softmax family on CUDA tensors.
 3. The Triton rule on compiled kernels: the solution keeps full marks, while attention computed
    in PyTorch, returned as it is or copied by a kernel, loses every test.
+4. A sandboxed `flash_triton` worker reaches the driver's library (`libcuda.so.1`), against
+   which Triton links its launcher; if not, the first folder on the way that it cannot reach.
+5. The grader (`python -m autograde grade`, sandboxed workers) on a class: a `flash_triton`
+   worker computes on the GPU; a notebook that takes all of the GPU's memory costs the
+   notebooks graded beside it nothing; a worker of another exercise finds no GPU.
 
 It prints each check and exits with status 1 if one fails.
 """
@@ -124,6 +129,117 @@ def triton_rule_on_compiled_kernels() -> str:
     return ", ".join(f"{name} lost {len(tests)} tests" for name, tests in lost.items())
 
 
+# Prepended to the solution cell of a flash_triton notebook: all of the GPU's memory but 256 MiB,
+# held while the notebook runs, as a hostile submission would to cost its neighbours their grades.
+HOARD = """import time
+free, _ = torch.cuda.mem_get_info()
+hoard = torch.empty(free - 2**28, dtype=torch.uint8, device="cuda")
+time.sleep(20)
+"""
+# Appended to the solution cell of an sdpa notebook: what a learner meets who uses the GPU there.
+ON_THE_GPU = """
+on_the_gpu = torch.zeros(1, device="cuda")
+"""
+
+
+# Run in a flash_triton worker: whether the driver's library, where the loader's cache puts it,
+# can be reached from there (Triton links its launcher against it), and if not, why.
+DRIVER_IN_THE_WORKER = r"""
+import json, os, subprocess
+cache = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+seen = {"uid": os.getuid()}
+for line in cache.splitlines():
+    if "libcuda.so.1 " in line:
+        path = line.rsplit("=>", 1)[-1].strip()
+        parts = path.split("/")
+        for end in range(2, len(parts) + 1):
+            step = "/".join(parts[:end])
+            try:
+                os.stat(step)
+            except OSError as error:
+                seen[path] = f"{step}: {error.strerror}"
+                break
+        else:
+            seen[path] = "reachable"
+seen["mounts"] = [line.split(" - ")[0].split()[4] + " " + line.split(" - ")[1].split()[0]
+                  for line in open("/proc/self/mountinfo") if "nvidia" in line and " - " in line]
+json.dump(seen, open("driver.json", "w"))
+"""
+
+
+def driver_in_the_worker() -> str:
+    """The GPU driver's library as a sandboxed flash_triton worker sees it."""
+    import json
+    import tempfile
+
+    from autograde import registry
+    from autograde.grading.proxies import SandboxedSubmission
+    from autograde.sandbox import client as sandbox
+
+    with tempfile.TemporaryDirectory() as folder:
+        outcome = SandboxedSubmission(registry.get("flash_triton"), [(1, DRIVER_IN_THE_WORKER)], sandbox.Limits(),
+                                      folder=Path(folder)).close()
+        report = Path(folder) / "work" / "driver.json"
+        if not report.exists():
+            raise AssertionError(f"the worker wrote nothing: {outcome}")
+        seen = json.loads(report.read_text())
+    if not any(value == "reachable" for key, value in seen.items() if key.startswith("/")):
+        raise AssertionError(f"libcuda.so.1 cannot be reached from the worker: {seen}")
+    return json.dumps(seen)
+
+
+def grader_on_a_class() -> str:
+    """`python -m autograde grade --jobs 4` on five students, as an instructor runs it."""
+    import csv
+    import subprocess
+    import tempfile
+
+    from autograde import registry
+    from tests.fixtures.notebooks import answer, learner_notebook, write
+    from tests.test_exercise_flash import TORCH_INSTEAD_OF_TRITON
+
+    triton = answer("flash_triton", "flash_attention_triton")
+    students = {
+        "solution": ("flash_triton", None), "solution-again": ("flash_triton", None),
+        "hoarder": ("flash_triton", {"flash_attention_triton": HOARD + triton}),
+        "attention-in-pytorch": ("flash_triton", {"flash_attention_triton": TORCH_INSTEAD_OF_TRITON}),
+        "sdpa-on-the-gpu": ("sdpa", {"scaled_dot_product_attention": answer("sdpa", "scaled_dot_product_attention")
+                                     + ON_THE_GPU}),
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        submitted, out = Path(folder) / "submitted", Path(folder) / "graded"
+        for student, (exercise_id, answers) in students.items():
+            write(learner_notebook(exercise_id, answers), submitted / student / registry.get(exercise_id).notebook)
+        start = time.perf_counter()
+        ran = subprocess.run([sys.executable, "-m", "autograde", "grade", str(submitted), "--out", str(out),
+                              "--jobs", "4", "--seed", "1", "--assignment", "flash", "--assignment", "attention"],
+                             cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        print(ran.stdout[-3000:], ran.stderr[-3000:], sep="\n")
+        rows = {(row["student"], row["exercise"]): row for row in csv.DictReader((out / "grades.csv").open())}
+        feedback = {student: (out / "feedback" / f"{student}.md").read_text() for student in students}
+        free, total = torch.cuda.mem_get_info()
+    for (student, exercise_id), row in sorted(rows.items()):
+        if students[student][0] == exercise_id:
+            print(f"     {student:22} {exercise_id:13} {row['score']:>5}/{row['max_score']:<5} {row['status']:10} "
+                  f"{row['reason'][:150]}")
+    full = [s for s in ("solution", "solution-again") if rows[s, "flash_triton"]["score"]
+            != rows[s, "flash_triton"]["max_score"]]
+    if full:
+        raise AssertionError(f"lost points on the GPU: {', '.join(full)}\n{feedback[full[0]][-2500:]}")
+    if float(rows["attention-in-pytorch", "flash_triton"]["score"]) > 0:
+        raise AssertionError("attention in PyTorch kept points")
+    if rows["sdpa-on-the-gpu", "sdpa"]["score"] != rows["sdpa-on-the-gpu", "sdpa"]["max_score"]:
+        raise AssertionError("the sdpa notebook that used the GPU lost points")
+    found = [line for line in feedback["sdpa-on-the-gpu"].splitlines() if "cuda" in line.lower() or "GPU" in line]
+    if not found:
+        raise AssertionError("the sdpa worker's use of the GPU was not reported")
+    if free < total - 2**30:
+        raise AssertionError(f"after grading, only {free / 2**30:.1f} of {total / 2**30:.1f} GiB of GPU memory free")
+    return (f"{seconds:.0f} s for the class with --jobs 4; the sdpa worker was told: {found[0].strip()[:200]}; "
+            f"afterwards {free / 2**30:.1f} of {total / 2**30:.1f} GiB of GPU memory free")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing was checked",
@@ -137,6 +253,8 @@ def main() -> int:
         outcome(f"solution notebook {path.relative_to(ROOT)} on the GPU", solution_notebook(path))
     outcome("the tripwire stops PyTorch's CUDA attention kernels and softmaxes", tripwire_stops_cuda_attention)
     outcome("the Triton rule on compiled kernels", triton_rule_on_compiled_kernels)
+    outcome("the GPU driver's library, from a sandboxed worker", driver_in_the_worker)
+    outcome("the grader on a class, in sandboxed workers", grader_on_a_class)
     print(f"\n{len(FAILED)} checks failed" + (": " + "; ".join(FAILED) if FAILED else ""))
     return 1 if FAILED else 0
 
