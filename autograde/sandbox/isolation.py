@@ -285,8 +285,9 @@ def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = 
             os.symlink(os.readlink(folder), new_root / folder.lstrip("/"))
         elif os.path.isdir(folder):
             # With the GPU, with the mounts below them: the driver's libraries are often a mount of
-            # their own (/usr/local/nvidia on a cloud VM; file by file in a GPU container).
-            _read_only_bind(folder, _place(new_root, folder, True), recursive=gpu)
+            # their own (/usr/local/nvidia on a cloud VM; file by file in a GPU container). Never
+            # /sys's (cgroups, debugfs), which the remount to read-only would not reach.
+            _read_only_bind(folder, _place(new_root, folder, True), recursive=gpu and folder != "/sys")
     for folder in python_folders(package_root):
         _read_only_bind(folder, _place(new_root, folder, True))
     dev = _place(new_root, "/dev", True)
