@@ -239,7 +239,7 @@ class SandboxedSubmission(_Proxy):
         self._listener.listen(1)
         (self._work / "channel.sock").chmod(0o666)  # the worker runs as a uid of its own
         # Taken before the clock starts: waiting for another notebook's turn costs this one nothing.
-        self._gpu_turn = sandbox.gpu_turn() if exercise.gpu and isolation.gpu_nodes() else None
+        self._gpu_turn = sandbox.gpu_turn() if isolation.gets_gpu(exercise.gpu) else None
         self._deadline = time.monotonic() + limits.wall_seconds
         try:
             self._running = server.start(folder, limits, exercise.env, gpu=exercise.gpu, scratch=self._work_folder)

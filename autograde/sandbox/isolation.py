@@ -264,6 +264,11 @@ def gpu_nodes() -> tuple[str, ...]:
     return tuple(sorted(name for name in os.listdir("/dev") if name.startswith(GPU_DEVICE_PREFIX)))
 
 
+def gets_gpu(asked: bool) -> bool:
+    """Whether a worker whose exercise asks for the GPU (`asked`) has one: the machine must have it."""
+    return asked and bool(gpu_nodes())
+
+
 def device_nodes(gpu: bool) -> tuple[str, ...]:
     """The names under /dev that a worker's root holds: a few harmless ones, and the GPU's if
     its exercise needs the GPU and the machine has one."""

@@ -64,7 +64,7 @@ def memory_rlimit(gpu: bool) -> int:
     with the GPU, where CUDA reserves far more address space than it uses (about 18 GB once
     initialised, on an H100; under an address-space limit of 6 GiB it finds no GPU, "out of
     memory"): there its private writable memory (RLIMIT_DATA), which those reservations are not."""
-    return resource.RLIMIT_DATA if gpu and isolation.gpu_nodes() else resource.RLIMIT_AS
+    return resource.RLIMIT_DATA if isolation.gets_gpu(gpu) else resource.RLIMIT_AS
 
 
 def _limits(limits: dict, processes: int, gpu: bool) -> None:
