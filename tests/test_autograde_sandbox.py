@@ -462,6 +462,92 @@ def test_a_notebook_with_the_gpu_waits_for_its_turn_and_then_runs(tmp_path: Path
     assert waited["sdpa"] < 4.0 < waited["flash_triton"], waited
 
 
+def test_a_learners_temporary_files_go_to_its_scratch_folder(tmp_path: Path):
+    """The fork server found its temporary folder (/tmp, read-only in a worker's root) before the
+    worker's TMPDIR was set; a learner's `tempfile` (and Triton's builds) now finds the scratch folder."""
+    job = tmp_path / "job"
+    job.mkdir()
+    temporary = "def scaled_dot_product_attention():\n    import tempfile\n    with tempfile.NamedTemporaryFile():\n" \
+                "        return tempfile.gettempdir()"
+    submission = SandboxedSubmission(registry.get("sdpa"), [(1, temporary)], LIMITS, folder=job)
+    try:
+        found = submission.call(SDPA, (), {})
+    finally:
+        submission.close()
+    assert found == str(job / "work")
+
+
+# A stand-in for the CUDA driver's library, and a module linked against it as Triton links its
+# launcher: what a flash_triton worker on a GPU machine builds before its first kernel.
+STUB_DRIVER = "int cuDriverGetVersion(int *version) { *version = 13000; return 0; }\n"
+LINKED_TO_THE_DRIVER = r'''
+def flash_attention_triton():
+    from triton.backends.nvidia import driver
+    from triton.runtime.build import compile_module_from_src
+    source = """
+#include <Python.h>
+int cuDriverGetVersion(int *version);
+static PyObject *version(PyObject *self, PyObject *args) {
+    int v = 0;
+    cuDriverGetVersion(&v);
+    return PyLong_FromLong(v);
+}
+static PyMethodDef methods[] = {{"version", version, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "linked", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_linked(void) { return PyModule_Create(&module); }
+"""
+    folders = driver.libcuda_dirs()
+    linked = compile_module_from_src(source, "linked", library_dirs=folders, include_dirs=[],
+                                     libraries=driver.libraries)
+    return f"{':'.join(folders)} {linked.version()}"
+'''
+
+
+def test_a_worker_with_the_gpu_links_against_the_driver_in_a_folder_closed_to_it(tmp_path: Path, monkeypatch):
+    """On an H100 VM, Triton in a flash_triton worker found no `libcuda.so.1` ("libcuda.so cannot
+    found!"): the driver lay in folders the worker's uid could not enter. Here the driver's library
+    (a stand-in) lies in a folder closed to everyone but root; the worker finds it where Triton
+    looks, and Triton compiles, links and loads a module against it, inside the sandbox."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: Triton needs one to link against the driver")
+    closed = tmp_path / "driver"
+    (closed / "lib64").mkdir(parents=True)
+    (closed / "stub.c").write_text(STUB_DRIVER)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(closed / "lib64" / "libcuda.so.1"),
+                    str(closed / "stub.c")], check=True)
+    closed.chmod(0o700)
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(closed / "lib64"))  # where the grader finds it
+    monkeypatch.setattr(sandbox, "GPU_TURN_LOCK", tmp_path / "gpu.lock")
+    monkeypatch.setattr(isolation, "gpu_nodes", lambda: ("nvidia0", "nvidiactl"))
+    (tmp_path / "job").mkdir()
+    submission = SandboxedSubmission(registry.get("flash_triton"), [(1, LINKED_TO_THE_DRIVER)],
+                                     sandbox.Limits(wall_seconds=120), folder=tmp_path / "job")
+    try:
+        linked = submission.call("flash_attention_triton", (), {})
+    finally:
+        outcome = submission.close()
+    assert linked == f"{isolation.DRIVER_FOLDER} 13000", outcome.output_tail
+    assert outcome.returncode == 0, outcome.output_tail
+
+
+def test_the_grader_finds_the_driver_where_triton_would(tmp_path: Path, monkeypatch):
+    """TRITON_LIBCUDA_PATH's folder first, else the loader's cache, then LD_LIBRARY_PATH; the file
+    itself, links resolved (a worker's root binds the file, not the link)."""
+    named, listed = tmp_path / "named", tmp_path / "listed"
+    for folder in (named, listed):
+        folder.mkdir()
+        (folder / "libcuda.so.580.1").write_bytes(b"")
+        (folder / "libcuda.so.1").symlink_to("libcuda.so.580.1")
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(named))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(listed))
+    assert sandbox.driver_library() == str(named / "libcuda.so.580.1")
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path))
+    assert sandbox.driver_library() is None
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH")
+    if "libcuda.so.1" not in subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout:
+        assert sandbox.driver_library() == str(listed / "libcuda.so.580.1")
+
+
 def test_the_worker_is_started_with_its_exercises_gpu_choice(tmp_path: Path, monkeypatch):
     started = []
     real_start = sandbox.ForkServer.start

@@ -9,8 +9,9 @@
    cuDNN and math backends) and the softmax family on CUDA tensors.
 3. The Triton rule on compiled kernels: the solution keeps full marks, while attention computed
    in PyTorch, returned as it is or copied by a kernel, loses every test.
-4. A sandboxed `flash_triton` worker reaches the driver's library (`libcuda.so.1`), against
-   which Triton links its launcher; if not, the first folder on the way that it cannot reach.
+4. Triton in a sandboxed `flash_triton` worker finds the driver's library (`libcuda.so.1`),
+   against which it links its launcher; it prints where, the first folder on the loader's paths
+   that the worker cannot reach, and the modes of the folders the library lies in.
 5. The grader (`python -m autograde grade`, sandboxed workers) on a class: a `flash_triton`
    worker computes on the GPU; a notebook that takes all of the GPU's memory costs the
    notebooks graded beside it nothing; a worker of another exercise finds no GPU.
@@ -146,29 +147,33 @@ on_the_gpu = torch.zeros(1, device="cuda")
 # can be reached from there (Triton links its launcher against it), and if not, why.
 DRIVER_IN_THE_WORKER = r"""
 import json, os, subprocess
+seen = {"uid": os.getuid(), "TRITON_LIBCUDA_PATH": os.environ.get("TRITON_LIBCUDA_PATH")}
 cache = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
-seen = {"uid": os.getuid()}
-for line in cache.splitlines():
-    if "libcuda.so.1 " in line:
-        path = line.rsplit("=>", 1)[-1].strip()
-        parts = path.split("/")
-        for end in range(2, len(parts) + 1):
-            step = "/".join(parts[:end])
-            try:
-                os.stat(step)
-            except OSError as error:
-                seen[path] = f"{step}: {error.strerror}"
-                break
-        else:
-            seen[path] = "reachable"
+for path in [line.rsplit("=>", 1)[-1].strip() for line in cache.splitlines() if "libcuda.so.1 " in line]:
+    parts = path.split("/")
+    for end in range(2, len(parts) + 1):
+        step = "/".join(parts[:end])
+        try:
+            os.stat(step)
+        except OSError as error:
+            seen[path] = f"{step}: {error.strerror}"
+            break
+    else:
+        seen[path] = "reachable"
+try:
+    from triton.backends.nvidia import driver
+    seen["triton"] = driver.libcuda_dirs()
+except Exception as error:
+    seen["triton"] = f"{type(error).__name__}: {error}"
 seen["mounts"] = [line.split(" - ")[0].split()[4] + " " + line.split(" - ")[1].split()[0]
-                  for line in open("/proc/self/mountinfo") if "nvidia" in line and " - " in line]
+                  for line in open("/proc/self/mountinfo") if ("nvidia" in line or "cuda" in line) and " - " in line]
 json.dump(seen, open("driver.json", "w"))
 """
 
 
 def driver_in_the_worker() -> str:
-    """The GPU driver's library as a sandboxed flash_triton worker sees it."""
+    """The GPU driver's library as a sandboxed flash_triton worker sees it, and where Triton there
+    finds it; with the modes of the folders it lies in, as the grader sees them."""
     import json
     import tempfile
 
@@ -176,6 +181,11 @@ def driver_in_the_worker() -> str:
     from autograde.grading.proxies import SandboxedSubmission
     from autograde.sandbox import client as sandbox
 
+    library = sandbox.driver_library()
+    folders = {}
+    if library is not None:
+        for parent in reversed(Path(library).parents):
+            folders[str(parent)] = oct(parent.stat().st_mode & 0o7777)
     with tempfile.TemporaryDirectory() as folder:
         outcome = SandboxedSubmission(registry.get("flash_triton"), [(1, DRIVER_IN_THE_WORKER)], sandbox.Limits(),
                                       folder=Path(folder)).close()
@@ -183,8 +193,10 @@ def driver_in_the_worker() -> str:
         if not report.exists():
             raise AssertionError(f"the worker wrote nothing: {outcome}")
         seen = json.loads(report.read_text())
-    if not any(value == "reachable" for key, value in seen.items() if key.startswith("/")):
-        raise AssertionError(f"libcuda.so.1 cannot be reached from the worker: {seen}")
+    seen["found by the grader"] = library
+    seen["folder modes"] = folders
+    if not isinstance(seen["triton"], list):
+        raise AssertionError(f"Triton in the worker finds no libcuda.so.1: {seen}")
     return json.dumps(seen)
 
 

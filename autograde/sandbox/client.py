@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping
 
+from autograde.sandbox import isolation
+
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 _START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()"
 OUTPUT_TAIL = 1500
@@ -55,6 +57,7 @@ SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader sto
 GPU_ENVIRONMENT = ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 # Every grading process and run on this machine takes it before starting a worker with the GPU.
 GPU_TURN_LOCK = Path("/tmp/autograde-gpu.lock")
+DRIVER_LIBRARY = "libcuda.so.1"
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class ProcessOutcome:
 def scrubbed_environment(home: str, extra: Mapping[str, str] = {}) -> dict[str, str]:
     threads = "1"  # one thread per worker: `--jobs` runs several side by side
     return {
-        "PATH": os.defpath, "HOME": home, "TMPDIR": home, "USER": "learner",
+        # Triton's cache lies under TRITON_HOME, else a home found when the fork server imported it
+        "PATH": os.defpath, "HOME": home, "TMPDIR": home, "TRITON_HOME": home, "USER": "learner",
         "LANG": "C.UTF-8", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads, "PYTHONHASHSEED": "0", **extra,
     }
@@ -96,6 +100,32 @@ def scrubbed_environment(home: str, extra: Mapping[str, str] = {}) -> dict[str, 
 
 def gpu_environment() -> dict[str, str]:
     return {name: os.environ[name] for name in GPU_ENVIRONMENT if name in os.environ}
+
+
+def driver_library() -> str | None:
+    """The CUDA driver's library, where Triton would look for it in this process: the folder
+    `TRITON_LIBCUDA_PATH` names, else the loader's cache (`ldconfig -p`), then `LD_LIBRARY_PATH`;
+    the file itself, links resolved, or None where there is none.
+
+    Found here, by the grader, because a worker's uid may not reach it where it lies: on an H100
+    VM the driver is a mount of its own, and Triton in the worker found neither path. The worker's
+    root binds the file itself at `isolation.DRIVER_FOLDER`, which no closed folder stands before.
+    """
+    folders = [os.environ["TRITON_LIBCUDA_PATH"]] if os.environ.get("TRITON_LIBCUDA_PATH") else []
+    if not folders:
+        try:
+            cache = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, errors="replace",
+                                   timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            cache = ""
+        folders = [os.path.dirname(line.rsplit("=>", 1)[-1].strip())
+                   for line in cache.splitlines() if DRIVER_LIBRARY in line and "=>" in line]
+        folders += [folder for folder in os.environ.get("LD_LIBRARY_PATH", "").split(":") if folder]
+    for folder in folders:
+        path = os.path.join(folder, DRIVER_LIBRARY)
+        if os.path.isfile(path):
+            return os.path.realpath(path)
+    return None
 
 
 def gpu_turn(lock: Path | None = None) -> BinaryIO:
@@ -259,9 +289,10 @@ class ForkServer:
         if uid is not None:
             os.chmod(folder, 0o711)
             os.chown(scratch.path if scratch else work, uid, uid)
+        driver = driver_library() if isolation.gets_gpu(gpu) else None
         ident, event, box = self._expect()
         self._send({"id": ident, "work": str(work), "new_root": str(folder / "root"), "uid": uid,
-                    "package_root": str(ROOT), "limits": asdict(limits), "gpu": gpu,
+                    "package_root": str(ROOT), "limits": asdict(limits), "gpu": gpu, "driver": driver,
                     "env": scrubbed_environment(str(work), {**(gpu_environment() if gpu else {}), **env})})
         return Running(self, ident, event, box, scratch.path if scratch else work, limits, uid)
 

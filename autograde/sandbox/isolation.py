@@ -40,6 +40,10 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 # root of a worker whose exercise runs kernels on the GPU (Exercise.gpu). Its memory is beyond
 # the cgroup's reach, which is why every other worker does without it (THREAT_MODEL.md, "GPUs").
 GPU_DEVICE_PREFIX = "nvidia"
+# Where such a worker finds the CUDA driver's library (bound from where the grader found it), under
+# both names Triton may link it by; its TRITON_LIBCUDA_PATH names this folder.
+DRIVER_FOLDER = "/run/cuda-driver"
+DRIVER_NAMES = ("libcuda.so.1", "libcuda.so")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -275,9 +279,11 @@ def device_nodes(gpu: bool) -> tuple[str, ...]:
     return DEVICES + (gpu_nodes() if gpu else ())
 
 
-def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = False) -> None:
+def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = False,
+                 driver: str | None = None) -> None:
     """Make `new_root` (an empty folder) this mount namespace's root, as described above; with
-    the GPU's device nodes only if `gpu`.
+    the GPU's device nodes only if `gpu`, and the file `driver` (the CUDA driver's library) in
+    `DRIVER_FOLDER` where given.
 
     Run in a new PID namespace, as root or in a user namespace of its own, before dropping
     privileges; it enters a new mount namespace.
@@ -301,6 +307,9 @@ def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = 
         if os.path.exists(f"/dev/{name}"):  # a node, or a folder of them (/dev/nvidia-caps)
             mount(f"/dev/{name}", str(_place(new_root, f"/dev/{name}", os.path.isdir(f"/dev/{name}"))), None,
                   MS_BIND | MS_REC)
+    if driver is not None:  # the file alone: the folders it lies in may be closed to the worker's uid
+        for name in DRIVER_NAMES:
+            _read_only_bind(driver, _place(new_root, f"{DRIVER_FOLDER}/{name}", False))
     shm = _place(new_root, "/dev/shm", True)
     mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     mount(str(scratch), str(_place(new_root, str(scratch), True)), None, MS_BIND)

@@ -38,12 +38,14 @@ stdout.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
 import select
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -92,6 +94,14 @@ def _user_processes(uid: int) -> dict[int, int]:
     return found
 
 
+def _use_bound_driver() -> None:
+    """Point Triton at the CUDA driver's library bound in this root (`isolation.DRIVER_FOLDER`),
+    and load it from there: CUDA then finds it loaded whether or not this uid may enter the
+    folders it came from (the loader's search path was fixed when the fork server started)."""
+    os.environ["TRITON_LIBCUDA_PATH"] = isolation.DRIVER_FOLDER
+    ctypes.CDLL(f"{isolation.DRIVER_FOLDER}/{isolation.DRIVER_NAMES[0]}", mode=ctypes.RTLD_GLOBAL)
+
+
 def _run_submission(request: dict, mode: str) -> None:
     """The submission's process: limit, drop privileges, run the worker. Never returns."""
     try:
@@ -120,6 +130,9 @@ def _run_submission(request: dict, mode: str) -> None:
             syscall_filter.install()
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # found again from TMPDIR (the scratch folder), not the server's /tmp
+        if request["driver"] is not None and mode != "session":
+            _use_bound_driver()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         worker.main(Path("."))  # relative: its folder's parents may be closed to its uid
@@ -144,7 +157,7 @@ def _contain(request: dict, mode: str, group: isolation.Cgroup | None, status_pi
             group.join()
         if mode != "session":
             isolation.private_root(Path(request["new_root"]), Path(request["work"]), Path(request["package_root"]),
-                                   gpu=request["gpu"])
+                                   gpu=request["gpu"], driver=request["driver"])
         else:
             os.setsid()
         child = os.fork()
