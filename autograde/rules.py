@@ -17,9 +17,10 @@ Measurements:
   combined into one result during a call.
 
 These are measured in the learner's own process, whose code could switch them off: they are
-advisory. One rule is measured from outside it: `PeakMemory`, how far the memory of the
-learner's processes rose during a call, read by the fork server from the kernel's counters
-(`sandbox.server._MemoryWatch`), which also sees a process start or end; `whole_scores` judges it.
+advisory. Two rules are also measured from outside it, from `CallCost`: how far the memory of
+the learner's processes rose during a call, and the CPU time they spent, read by the fork server
+from the kernel's counters (`sandbox.server._CostWatch`), which also sees a process start or end;
+`whole_scores` and `work_time` judge them.
 """
 
 from __future__ import annotations
@@ -259,16 +260,18 @@ def memory(function: str) -> tuple[Rule, str, str]:
 
 
 @dataclass
-class PeakMemory:
-    """How far a call raised the memory of the learner's processes (`growth_bytes`), measured
-    `where`; or why it could not be measured (`problem`)."""
+class CallCost:
+    """What a call cost the learner's processes, measured `where`: how far it raised their memory
+    (`growth_bytes`) and the CPU time they spent (`cpu_seconds`); or why it could not be measured
+    (`problem`)."""
 
     where: str
     growth_bytes: int | None = None
+    cpu_seconds: float | None = None
     problem: str = ""
 
 
-def whole_scores(call: str, peak: PeakMemory, scores: int) -> list[str]:
+def whole_scores(call: str, peak: CallCost, scores: int) -> list[str]:
     """The problems with `peak`, measured during `call`, for inputs with `scores` attention scores
     (B * H * L * S): its memory must rise by less than all of them would take at two bytes each.
 
@@ -284,6 +287,28 @@ def whole_scores(call: str, peak: PeakMemory, scores: int) -> list[str]:
             f"{peak.growth_bytes / 2**20:.0f} MiB ({peak.where}); all {scores:,} scores would take "
             f"{allowed / 2**20:.0f} MiB at two bytes each, {2 * allowed / 2**20:.0f} MiB as float32. "
             "Keep one block of scores at a time, and do not keep the blocks either."]
+
+
+def work_time(call: str, causal: list[CallCost], full: list[CallCost], allowed: float) -> list[str]:
+    """The problems with the CPU time of `call` measured with causal=True (`causal`) and with
+    causal=False (`full`), a few times each, alternately: the fastest causal call must take at most
+    `allowed` times the fastest full one.
+
+    Skipping the key blocks wholly above the diagonal halves the work at L = S (0.54x for the
+    reference, at L = S = 4096, blocks 128); masking them keeps all of it, however it is computed."""
+    problems = [cost.problem for cost in causal + full if cost.problem]
+    if problems:
+        return [f"work rule: {problems[0]}"]
+    fastest_causal, fastest_full = min(c.cpu_seconds for c in causal), min(c.cpu_seconds for c in full)
+    if fastest_full <= 0:
+        return [f"work rule: no CPU time measured for {call} with causal=False"]
+    measured = fastest_causal / fastest_full
+    if measured <= allowed:
+        return []
+    return [f"work rule broken: {call} took {fastest_causal:.2f} s of CPU time with causal=True, {measured:.2g}x the "
+            f"{fastest_full:.2f} s with causal=False (the fastest of {len(causal)} calls each, {causal[0].where}); "
+            f"at most {allowed:g}x is allowed. Skip the key blocks wholly above the diagonal instead of computing "
+            "and masking them."]
 
 
 def work() -> tuple[Rule, str, str, str]:

@@ -1,4 +1,4 @@
-"""The memory rules of the flash exercises, enforced from outside the learner's process.
+"""The memory and work rules of the flash exercises, enforced from outside the learner's process.
 
 Each submission below keeps the whole L x S scores in memory while it goes around the rules
 measured inside its process (the memory rule's dispatch mode, the saved-tensors check): modes
@@ -126,17 +126,23 @@ def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     return out, lse
 '''
 
+# Causal: every key block computed and masked, the scores multiplied in numpy, uncounted.
+MASKS_IN_NUMPY = FORWARD.replace("k_stop = min(S, q_end + diagonal) if causal else S", "k_stop = S").replace(
+    "scores = q_block @ k[:, :, k_start:k_end].to(state).transpose(-2, -1)",
+    "keys = k[:, :, k_start:k_end].to(state).transpose(-2, -1)\n"
+    "            scores = torch.from_numpy(q_block.numpy() @ keys.numpy()) if causal else q_block @ keys")
+
 TILED = FORWARD.replace("def flash_attention_forward(", "def _tiled_forward(") + WHOLE_MATRIX
 
 
-def measured(exercise_id: str, answers: dict[str, str]):
-    """The learner notebook with `answers`, graded in the sandbox on the memory rules alone."""
+def measured(exercise_id: str, answers: dict[str, str], tests: tuple[str, ...] = ()):
+    """The learner notebook with `answers`, graded in the sandbox on the memory rules alone (or on `tests`)."""
     exercise = registry.get(exercise_id)
     cells = extract.code_cells(learner_notebook(exercise_id, answers))
     inside = "test_memory_rule" if exercise_id == "flash_forward" else "test_saved_tensors_rule"
     session = Session(exercise, lambda: SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS),
                       hidden_seed=7)
-    session.run(inside, MEASURED)
+    session.run(*(tests or (inside, MEASURED)))
     return session.results
 
 
@@ -176,12 +182,28 @@ def test_a_process_started_and_ended_during_the_call_fails_it():
     assert points == 0 and "a process of yours ended or started during the call" in problems[-1], results
 
 
+WORK_TESTS = ("test_work_rule", "test_work_measured_from_outside")
+
+
+def test_the_solution_keeps_the_work_rule_measured_from_outside():
+    results = names(measured("flash_forward", {}, WORK_TESTS))
+    assert results["work-measured-from-outside"] == (0.5, ()), results
+
+
+def test_blocks_masked_where_the_flop_counter_does_not_look_are_seen_from_outside():
+    results = names(measured("flash_forward", {"flash_attention_forward": MASKS_IN_NUMPY}, WORK_TESTS))
+    assert results["work-rule"] == (0.5, ()), results  # gone around: the FLOPs counted inside halve
+    points, problems = results["work-measured-from-outside"]
+    assert points == 0 and problems[-1].startswith("work rule broken: flash_attention_forward(q, k, v, "), results
+    assert "measured from outside them" in problems[-1]
+
+
 def test_a_learners_kernel_measures_its_own_calls():
     """check() and nbgrader's cells measure in the learner's own process (advisory), as the fork server would."""
     submission = LocalSubmission(registry.get("flash_forward"), {})
-    with submission.memory_measured() as quiet:
+    with submission.cost_measured() as quiet:
         pass
-    with submission.memory_measured() as busy:
+    with submission.cost_measured() as busy:
         kept = torch.ones(2**25)  # 128 MiB, written
     assert kept.sum() == 2**25
     assert quiet.growth_bytes < 16 * 2**20 and busy.growth_bytes >= 128 * 2**20, (quiet, busy)
@@ -193,7 +215,7 @@ def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
         raise FileNotFoundError(2, "No such file or directory")
 
     monkeypatch.setattr(isolation, "reset_peak_memory", no_proc)
-    with LocalSubmission(registry.get("flash_forward"), {}).memory_measured() as peak:
+    with LocalSubmission(registry.get("flash_forward"), {}).cost_measured() as peak:
         kept = torch.ones(2**25)
     assert kept.sum() == 2**25
     assert peak.problem == "" and peak.growth_bytes is not None and peak.growth_bytes >= 0

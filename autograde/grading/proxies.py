@@ -25,7 +25,7 @@ import torch
 
 from autograde.cases import Exercise, Inputs
 from autograde.grading import reference as solutions
-from autograde.rules import PeakMemory
+from autograde.rules import CallCost
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.calls import LearnerCalls, callable_names
@@ -76,10 +76,10 @@ class _Proxy:
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
-    def memory_measured(self) -> contextlib.AbstractContextManager[PeakMemory]:
-        """`with proxy.memory_measured() as peak:` the calls inside raise the learner's memory by
-        `peak.growth_bytes`, once the block has ended."""
-        raise NotImplementedError(f"{type(self).__name__} does not measure memory")
+    def cost_measured(self) -> contextlib.AbstractContextManager[CallCost]:
+        """`with proxy.cost_measured() as cost:` the calls inside raise the learner's memory by
+        `cost.growth_bytes` and take `cost.cpu_seconds` of CPU time, once the block has ended."""
+        raise NotImplementedError(f"{type(self).__name__} does not measure what calls cost")
 
 
 class Reference(_Proxy):
@@ -173,20 +173,22 @@ class LocalSubmission(_Proxy):
         return self.tripwire.violations
 
     @contextlib.contextmanager
-    def memory_measured(self) -> Iterator[PeakMemory]:
+    def cost_measured(self) -> Iterator[CallCost]:
         """Measured in this process, the learner's own: advisory. Where Linux's /proc lets the peak be
         reset, from what the process holds now; elsewhere (macOS) from its peak so far, which shows
-        only a call that goes beyond every earlier one."""
-        peak = PeakMemory("measured in your own kernel; the grader measures it from outside")
+        only a call that goes beyond every earlier one. CPU time: this process's, all its threads."""
+        cost = CallCost("measured in your own kernel; the grader measures it from outside")
         try:
             isolation.reset_peak_memory("self")
             start, read_peak = isolation.status_kib("self", "VmRSS") * 1024, _peak_since_reset
         except OSError:
             start, read_peak = _peak_so_far(), _peak_so_far
+        cpu = time.process_time()
         try:
-            yield peak
+            yield cost
         finally:
-            peak.growth_bytes = max(0, read_peak() - start)
+            cost.growth_bytes = max(0, read_peak() - start)
+            cost.cpu_seconds = time.process_time() - cpu
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
@@ -302,27 +304,28 @@ class SandboxedSubmission(_Proxy):
         return message
 
     @contextlib.contextmanager
-    def memory_measured(self) -> Iterator[PeakMemory]:
+    def cost_measured(self) -> Iterator[CallCost]:
         """Measured by the fork server, outside the worker; a process started or ended meanwhile fails it."""
-        peak = PeakMemory("measured from outside them")
+        cost = CallCost("measured from outside them")
         started = self._watch("start")
         try:
-            yield peak
+            yield cost
         finally:
             stopped = started if "error" in started else self._watch("stop")
             if "error" in stopped:
-                peak.problem = f"the memory of your process could not be measured ({stopped['error']})"
+                cost.problem = f"the memory and CPU time of your process could not be measured ({stopped['error']})"
             elif stopped.get("ended") or stopped.get("started"):
-                peak.problem = ("a process of yours ended or started during the call, so its memory could not "
-                                "be measured: compute in the process that was called")
+                cost.problem = ("a process of yours ended or started during the call, so its memory and CPU time "
+                                "could not be measured: compute in the process that was called")
             else:
-                peak.growth_bytes = int(stopped.get("growth_bytes", 0))
+                cost.growth_bytes = int(stopped.get("growth_bytes", 0))
+                cost.cpu_seconds = float(stopped.get("cpu_seconds", 0.0))
 
     def _watch(self, phase: str) -> dict:
         if self.gone:
             return {"error": f"the grading process ended {self.gone}"}
         try:
-            return self._running.watch_memory(phase)
+            return self._running.watch_cost(phase)
         except sandbox.ForkServerError as exc:
             return {"error": str(exc)}
 

@@ -325,11 +325,11 @@ class Running:
     def kill(self) -> None:
         self._server._send({"kill": self._ident})
 
-    def watch_memory(self, phase: str) -> dict:
-        """`start`, then `stop`: the peak memory of its processes in between, measured by the fork
-        server (server.py, `_MemoryWatch`): `growth_bytes`, and how many processes `ended` or
-        `started` meanwhile; or `error`, where it could not be measured."""
-        return self._server._ask({"memory": phase, "job": self._ident})
+    def watch_cost(self, phase: str) -> dict:
+        """`start`, then `stop`: what its processes spent in between, measured by the fork server
+        (server.py, `_CostWatch`): `growth_bytes` of peak memory, `cpu_seconds`, and how many
+        processes `ended` or `started` meanwhile; or `error`, where it could not be measured."""
+        return self._server._ask({"cost": phase, "job": self._ident})
 
     def wait(self) -> ProcessOutcome:
         """How it ended; stopped if it is still running past the wall-clock limit (and a grace)."""

@@ -23,8 +23,8 @@ user namespace of its own), where it mounts each job's scratch folder as a tmpfs
 when the grader asks (a `mount` request; `unmount` afterwards): the grader reaches it through
 `/proc/<server>/root`, and each submission's root, made from a copy of this namespace, binds it.
 
-The grader may also ask for the peak memory of a job's processes during one call (`memory`
-requests: `_MemoryWatch`), which the server measures from here, outside them.
+The grader may also ask what one call cost a job's processes, their peak memory and CPU time
+(`cost` requests: `_CostWatch`), which the server measures from here, outside them.
 
 In every mode the supervisor is a child subreaper: whatever the tree orphans becomes its child,
 and it kills and reaps every one before it reports.
@@ -400,57 +400,62 @@ def _mount(request: dict) -> dict:
         return {"error": str(exc)}
 
 
-def _children_cpu_ticks(pid: int) -> int | None:
-    """The CPU time of the children `pid` has reaped (cutime + cstime in /proc/<pid>/stat), in ticks."""
+def _cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """The CPU time of `pid` (utime + stime in /proc/<pid>/stat: all its threads, ended ones too)
+    and of the children it has reaped (cutime + cstime), in ticks; None once it has gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[13]) + int(fields[14])
+        return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
     except (OSError, IndexError, ValueError):
         return None
 
 
-class _MemoryWatch:
-    """The peak memory of a job's processes during one call, measured from here, outside them.
+class _CostWatch:
+    """What one call cost a job's processes, measured from here, outside them: their peak memory
+    and their CPU time.
 
     `begin`: for every process of the job (each descendant of its supervisor), the peak resident
-    size the kernel keeps (VmHWM) is reset to what it holds now. `end`: how far each peak rose
-    above that, summed; and whether a process started or ended meanwhile, which would take its
-    memory out of the sum: a process that is there at the end but not at the start, one that is
-    gone, or a child reaped in between (the CPU time of reaped children grew; a process doing
-    the work of a call runs for more than a tick). Honest code starts no process during a call."""
+    size the kernel keeps (VmHWM) is reset to what it holds now, and its CPU time read. `end`: how
+    far each peak rose above that, summed, and the CPU time spent, summed; and whether a process
+    started or ended meanwhile, which would take its memory and time out of the sums: a process
+    that is there at the end but not at the start, one that is gone, or a child reaped in between
+    (the CPU time of reaped children grew; a process doing the work of a call runs for more than a
+    tick). Honest code starts no process during a call."""
 
     def __init__(self, supervisor: int):
         self.supervisor = supervisor
-        self.start: dict[int, tuple[int, int | None]] = {}  # pid -> (resident kB, children's CPU ticks)
+        self.start: dict[int, tuple[int, tuple[int, int]]] = {}  # pid -> (resident kB, CPU ticks)
 
     def begin(self) -> None:
         for pid in _descendants(self.supervisor):
             isolation.reset_peak_memory(pid)
-            resident = isolation.status_kib(pid, "VmRSS")
-            if resident is not None:
-                self.start[pid] = (resident, _children_cpu_ticks(pid))
+            resident, ticks = isolation.status_kib(pid, "VmRSS"), _cpu_ticks(pid)
+            if resident is not None and ticks is not None:
+                self.start[pid] = (resident, ticks)
 
     def end(self) -> dict:
-        growth, ended = 0, 0
-        for pid, (resident, ticks) in self.start.items():
-            peak = isolation.status_kib(pid, "VmHWM")
-            if peak is None or _children_cpu_ticks(pid) != ticks:
+        growth, ticks, ended = 0, 0, 0
+        for pid, (resident, (own, children)) in self.start.items():
+            peak, now = isolation.status_kib(pid, "VmHWM"), _cpu_ticks(pid)
+            if peak is None or now is None or now[1] != children:
                 ended += 1
             else:
                 growth += max(0, peak - resident)
+                ticks += now[0] - own
         started = len(set(_descendants(self.supervisor)) - set(self.start))
-        return {"growth_bytes": growth * 1024, "ended": ended, "started": started}
+        return {"growth_bytes": growth * 1024, "cpu_seconds": ticks / os.sysconf("SC_CLK_TCK"), "ended": ended,
+                "started": started}
 
 
-def _watch_memory(request: dict, running: dict[int, tuple[str, int]], watches: dict[str, _MemoryWatch]) -> dict:
+def _watch_cost(request: dict, running: dict[int, tuple[str, int]], watches: dict[str, _CostWatch]) -> dict:
     """A `memory` request (`start` or `stop`) for the job `request["job"]`."""
     job = request["job"]
     try:
-        if request["memory"] == "start":
+        if request["cost"] == "start":
             supervisor = next((pid for pid, (ident, _) in running.items() if ident == job), None)
             if supervisor is None:
                 return {"error": "its processes have ended"}
-            watches[job] = _MemoryWatch(supervisor)
+            watches[job] = _CostWatch(supervisor)
             watches[job].begin()
             return {"watching": len(watches[job].start)}
         if job not in watches:
@@ -467,7 +472,7 @@ def serve() -> None:
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
     torch.set_num_threads(1)
     running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
-    watches: dict[str, _MemoryWatch] = {}  # request id -> its call's memory, while measured
+    watches: dict[str, _CostWatch] = {}  # request id -> its call's memory, while measured
     pending = b""
     replies.write(json.dumps({"ready": os.getpid(), "mounts": _own_mount_namespace()}) + "\n")
     while True:
@@ -482,8 +487,8 @@ def serve() -> None:
                 request = json.loads(line)
                 if "mount" in request or "unmount" in request:
                     replies.write(json.dumps({"id": request["id"], **_mount(request)}) + "\n")
-                elif "memory" in request:
-                    replies.write(json.dumps({"id": request["id"], **_watch_memory(request, running, watches)}) + "\n")
+                elif "cost" in request:
+                    replies.write(json.dumps({"id": request["id"], **_watch_cost(request, running, watches)}) + "\n")
                 else:
                     _start(request, running)
         _reap(running, replies)

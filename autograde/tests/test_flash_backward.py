@@ -314,7 +314,7 @@ def test_whole_scores_measured_from_outside(submission, reference, draw):
     """L = S = 4096: FlashAttention.apply and its backward, memory measured from outside your process"""
     submission.apply_gradients(whole_scores_inputs(draw, 4 * DEFAULT_BLOCK))  # code run for the first time
     inputs = whole_scores_inputs(draw)
-    with submission.memory_measured() as peak:
+    with submission.cost_measured() as peak:
         got = submission.apply_gradients(inputs)
     assert_same(got, reference.apply_output(inputs), inputs)  # out only: the gradients are graded elsewhere
     assert_whole_scores_kept(peak, "FlashAttention.apply(q, k, v, causal=False) and its backward", inputs)

@@ -4,11 +4,12 @@ Besides values, three rules of the contract are graded, each in a case of its ow
 rule (the online softmax never reduces more than one block of columns at once), memory (no
 tensor created during the call larger than the inputs or one block of scores) and work (with a
 causal mask, the key blocks above the diagonal are skipped, not masked). These are measured in
-the learner's process. The memory rule is also graded from outside it, in a hidden case too
-large for its measurements to be lost in noise: during a call at L = S = 4096, the memory of the
-learner's processes must rise by less than all the scores would take at two bytes each
-(`rules.whole_scores`), so that scores kept in blocks, or computed where the modes do not
-look, are caught as well.
+the learner's process. The memory and work rules are also graded from outside it, in hidden
+cases too large for their measurements to be lost in noise: during a call at L = S = 4096, the
+memory of the learner's processes must rise by less than all the scores would take at two
+bytes each (`rules.whole_scores`), and with the causal mask they must spend at most 0.85x the
+CPU time they spend without it (`rules.work_time`), so that scores kept in blocks, or computed
+where the modes do not look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
 that every graded run covers every value of each; the seed draws only sizes and values: for
@@ -39,6 +40,11 @@ WORK_LENGTH, WORK_BLOCK, WORK_RATIO = 1024, 64, 0.6
 # The case whose memory is measured from outside: all its scores take 64 MiB in float32; a few
 # MiB of noise (pages touched for the first time, the arguments read) stay far below the 32 MiB allowed.
 WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
+# The case whose CPU time is measured from outside: large enough for the blocks' work to outweigh
+# a call's fixed costs and the clock's 10 ms ticks (the reference takes about 0.5 s of CPU time
+# without the mask, 0.54x that with it), the fastest of a few calls each to ride out noise.
+WORK_TIME_LENGTH, WORK_TIME_HEADS, WORK_TIME_HEAD_DIM, WORK_TIME_BLOCK = 4096, 2, 64, 128
+WORK_TIME_CALLS, WORK_TIME_RATIO = 4, 0.85
 
 BLOCK_RULE, WIDEST, BLOCK_LIMIT = rules.reductions(ONLINE)
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(FORWARD)
@@ -255,7 +261,19 @@ def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
                   f"L = S = {n:,}: all the scores at once take {4 * n * n / 2**20:.0f} MiB as float32")
 
 
-def assert_whole_scores_kept(peak: rules.PeakMemory, call: str, inputs: Inputs) -> None:
+def work_time_inputs(draw: Draw, length: int = WORK_TIME_LENGTH) -> Inputs:
+    n = length
+    return Inputs(attention_inputs(draw, 1, WORK_TIME_HEADS, n, n, WORK_TIME_HEAD_DIM, torch.float32, causal=True,
+                                   block_q=WORK_TIME_BLOCK, block_k=WORK_TIME_BLOCK),
+                  f"L = S = {n:,}: called with causal=True and causal=False, {WORK_TIME_CALLS} times each, "
+                  "alternately; CPU time measured from outside your process")
+
+
+def with_causal(inputs: Inputs, causal: bool) -> Inputs:
+    return Inputs({**inputs.values, "causal": causal}, inputs.note)
+
+
+def assert_whole_scores_kept(peak: rules.CallCost, call: str, inputs: Inputs) -> None:
     B, H, L, _ = inputs["q"].shape
     problems = rules.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
     if problems:
@@ -377,7 +395,7 @@ def test_memory_rule(submission, reference, draw):
     assert_rule(got, expected, MEMORY_RULE, inputs)
 
 
-@pytest.mark.points(1.0)
+@pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
 def test_work_rule(submission, reference, draw):
     """causal: blocks above the diagonal skipped (at most 0.6x the FLOPs)"""
@@ -428,7 +446,29 @@ def test_whole_scores_measured_from_outside(submission, reference, draw):
     """L = S = 4096: memory measured from outside your process stays below what all the scores take"""
     submission.forward(whole_scores_inputs(draw, 2 * WHOLE_BLOCK))  # code run for the first time, not measured
     inputs = whole_scores_inputs(draw)
-    with submission.memory_measured() as peak:
+    with submission.cost_measured() as peak:
         got = submission.forward(inputs)
     assert_attention(got, reference.forward(inputs), inputs)
     assert_whole_scores_kept(peak, call_text(FORWARD, "q, k, v", options_of(inputs)), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.points(0.5)
+@pytest.mark.uses(FORWARD)
+def test_work_measured_from_outside(submission, reference, draw):
+    """causal, L = S = 4096: CPU time measured from outside your process at most 0.85x that without the mask"""
+    submission.forward(work_time_inputs(draw, 2 * WORK_TIME_BLOCK))  # code run for the first time, not measured
+    inputs = work_time_inputs(draw)
+    costs: dict[bool, list[rules.CallCost]] = {True: [], False: []}
+    for causal in (True, False) * WORK_TIME_CALLS:
+        called = with_causal(inputs, causal)
+        with submission.cost_measured() as cost:
+            got = submission.forward(called)
+        costs[causal].append(cost)
+        if len(costs[causal]) == 1:
+            assert_attention(got, reference.forward(called), called)
+    blocks = {name: value for name, value in options_of(inputs).items() if name != "causal"}
+    problems = rules.work_time(call_text(FORWARD, "q, k, v", blocks), costs[True], costs[False],
+                               WORK_TIME_RATIO)
+    if problems:
+        raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
