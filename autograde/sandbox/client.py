@@ -57,7 +57,6 @@ SERVER_GRACE = 30.0  # seconds past a notebook's own limit before the grader sto
 GPU_ENVIRONMENT = ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 # Every grading process and run on this machine takes it before starting a worker with the GPU.
 GPU_TURN_LOCK = Path("/tmp/autograde-gpu.lock")
-DRIVER_LIBRARY = "libcuda.so.1"
 
 
 @dataclass(frozen=True)
@@ -111,6 +110,7 @@ def driver_library() -> str | None:
     VM the driver is a mount of its own, and Triton in the worker found neither path. The worker's
     root binds the file itself at `isolation.DRIVER_FOLDER`, which no closed folder stands before.
     """
+    library = isolation.DRIVER_NAMES[0]
     folders = [os.environ["TRITON_LIBCUDA_PATH"]] if os.environ.get("TRITON_LIBCUDA_PATH") else []
     if not folders:
         try:
@@ -119,10 +119,10 @@ def driver_library() -> str | None:
         except (OSError, subprocess.TimeoutExpired):
             cache = ""
         folders = [os.path.dirname(line.rsplit("=>", 1)[-1].strip())
-                   for line in cache.splitlines() if DRIVER_LIBRARY in line and "=>" in line]
+                   for line in cache.splitlines() if library in line and "=>" in line]
         folders += [folder for folder in os.environ.get("LD_LIBRARY_PATH", "").split(":") if folder]
     for folder in folders:
-        path = os.path.join(folder, DRIVER_LIBRARY)
+        path = os.path.join(folder, library)
         if os.path.isfile(path):
             return os.path.realpath(path)
     return None
