@@ -262,29 +262,34 @@ def memory(function: str) -> tuple[Rule, str, str]:
 @dataclass
 class CallCost:
     """What a call cost the learner's processes, measured `where`: how far it raised their memory
-    (`growth_bytes`) and the CPU time they spent (`cpu_seconds`); or why it could not be measured
-    (`problem`)."""
+    (`growth_bytes`), how much of the writable memory they held it read or wrote
+    (`referenced_bytes`), and the CPU time they spent (`cpu_seconds`); or why it could not be
+    measured (`problem`)."""
 
     where: str
     growth_bytes: int | None = None
+    referenced_bytes: int = 0
     cpu_seconds: float | None = None
     problem: str = ""
 
 
 def whole_scores(call: str, peak: CallCost, scores: int) -> list[str]:
     """The problems with `peak`, measured during `call`, for inputs with `scores` attention scores
-    (B * H * L * S): its memory must rise by less than all of them would take at two bytes each.
+    (B * H * L * S): the memory it gained and the writable memory it read or wrote, together, must
+    stay below what all of them would take at two bytes each.
 
-    A stored float32 or float16 score matrix breaks it, whether in one tensor or in blocks kept
-    (say, on `ctx`) or in another process; working memory of the size of q, k, v, or of the
-    output once per key block of at least 2 d columns, stays well below it."""
+    A stored float32 or float16 score matrix breaks it, whether in one tensor, in blocks kept (say,
+    on `ctx`), in a buffer allocated before the call or in another process; working memory of the
+    size of q, k, v, or of the output once per key block of at least 2 d columns, stays well below
+    it (new pages count twice, gained and written: a few MiB for the reference)."""
     if peak.problem:
         return [f"whole-scores rule: {peak.problem}"]
     allowed = 2 * scores
-    if peak.growth_bytes is not None and peak.growth_bytes < allowed:
+    if peak.growth_bytes is not None and peak.growth_bytes + peak.referenced_bytes < allowed:
         return []
-    return [f"whole-scores rule broken: during {call} the memory of your notebook's processes rose by "
-            f"{peak.growth_bytes / 2**20:.0f} MiB ({peak.where}); all {scores:,} scores would take "
+    return [f"whole-scores rule broken: during {call} your notebook's processes gained "
+            f"{peak.growth_bytes / 2**20:.0f} MiB of memory and read or wrote {peak.referenced_bytes / 2**20:.0f} MiB "
+            f"of the writable memory they held ({peak.where}); all {scores:,} scores would take "
             f"{allowed / 2**20:.0f} MiB at two bytes each, {2 * allowed / 2**20:.0f} MiB as float32. "
             "Keep one block of scores at a time, and do not keep the blocks either."]
 

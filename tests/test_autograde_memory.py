@@ -3,7 +3,8 @@
 Each submission below keeps the whole L x S scores in memory while it goes around the rules
 measured inside its process (the memory rule's dispatch mode, the saved-tensors check): modes
 switched off, the matrix built in numpy, probabilities kept in a dict on `ctx`, the matrix
-computed in a helper process started beforehand, or a helper started during the call. Graded
+computed in a helper process started beforehand, or a helper started during the call, written
+into a buffer held from before the call, or followed by a reset of the process's own peak. Graded
 through the sandbox, as a class is, each loses the hidden case whose memory the fork server
 measures from outside (`test_whole_scores_measured_from_outside`), and the solutions keep it.
 """
@@ -132,6 +133,43 @@ MASKS_IN_NUMPY = FORWARD.replace("k_stop = min(S, q_end + diagonal) if causal el
     "keys = k[:, :, k_start:k_end].to(state).transpose(-2, -1)\n"
     "            scores = torch.from_numpy(q_block.numpy() @ keys.numpy()) if causal else q_block @ keys")
 
+# A score matrix written into a buffer allocated (and written) when the notebook ran: resident
+# before the call, it raises no peak; its pages are read and written during the call.
+BUFFER_HELD_BEFOREHAND = '''
+_scores = torch.zeros(1, 1, 4096, 4096)
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    if causal or (*q.shape[:2], q.shape[-2], k.shape[-2]) != tuple(_scores.shape):
+        return _tiled_forward(q, k, v, causal, block_q, block_k)
+    torch.matmul(q, k.transpose(-2, -1), out=_scores)
+    _scores.mul_(q.shape[-1] ** -0.5)
+    top = _scores.amax(dim=-1, keepdim=True)
+    _scores.sub_(top).exp_()
+    total = _scores.sum(dim=-1, keepdim=True)
+    return (_scores @ v) / total, (top + total.log()).squeeze(-1)
+'''
+
+# The whole matrix, then the process makes itself dumpable again and resets its own peak memory
+# and referenced pages through /proc/self/clear_refs, where the fork server reads them.
+RESETS_ITS_OWN_PEAK = '''
+import ctypes
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    if causal or q.shape[-2] < 1024:
+        return _tiled_forward(q, k, v, causal, block_q, block_k)
+    result = _whole_matrix_forward(q, k, v)
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
+    try:
+        for what in ("1", "5"):
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write(what)
+    except OSError:
+        pass
+    return result
+'''
+
 TILED = FORWARD.replace("def flash_attention_forward(", "def _tiled_forward(") + WHOLE_MATRIX
 
 
@@ -172,6 +210,15 @@ def test_scores_hidden_from_the_rules_inside_are_seen_from_outside(exercise_id, 
 
 def test_a_helper_process_started_beforehand_is_measured_too():
     results = names(measured("flash_forward", {"flash_attention_forward": TILED + HELPER_PROCESS}))
+    points, problems = results["whole-scores-measured-from-outside"]
+    assert points == 0 and problems[-1].startswith("whole-scores rule broken: during "), results
+
+
+@pytest.mark.parametrize("attack", [BUFFER_HELD_BEFOREHAND, RESETS_ITS_OWN_PEAK],
+                         ids=["buffer-held-beforehand", "resets-its-own-peak"])
+def test_scores_that_raise_no_peak_are_seen_too(attack):
+    results = names(measured("flash_forward", {"flash_attention_forward": TILED + attack}))
+    assert results["memory-rule"] == (0.5, ()), results
     points, problems = results["whole-scores-measured-from-outside"]
     assert points == 0 and problems[-1].startswith("whole-scores rule broken: during "), results
 

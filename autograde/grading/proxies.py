@@ -10,6 +10,7 @@ for `check()`. `Reference` makes them on the course's solution, in float64, in t
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import itertools
 import os
@@ -176,8 +177,11 @@ class LocalSubmission(_Proxy):
     def cost_measured(self) -> Iterator[CallCost]:
         """Measured in this process, the learner's own: advisory. Where Linux's /proc lets the peak be
         reset, from what the process holds now; elsewhere (macOS) from its peak so far, which shows
-        only a call that goes beyond every earlier one. CPU time: this process's, all its threads."""
+        only a call that goes beyond every earlier one. CPU time: this process's, all its threads.
+        The kernel's objects are frozen meanwhile, as the sandboxed worker's are: a collection during
+        the call would otherwise read every page holding them."""
         cost = CallCost("measured in your own kernel; the grader measures it from outside")
+        gc.freeze()
         try:
             isolation.reset_peak_memory("self")
             start, read_peak = isolation.status_kib("self", "VmRSS") * 1024, _peak_since_reset
@@ -187,8 +191,13 @@ class LocalSubmission(_Proxy):
         try:
             yield cost
         finally:
+            gc.unfreeze()
             cost.growth_bytes = max(0, read_peak() - start)
             cost.cpu_seconds = time.process_time() - cpu
+            try:
+                cost.referenced_bytes = isolation.referenced_writable_kib("self") * 1024
+            except OSError:  # no /proc (macOS): what it gained alone
+                pass
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
@@ -319,6 +328,7 @@ class SandboxedSubmission(_Proxy):
                                 "could not be measured: compute in the process that was called")
             else:
                 cost.growth_bytes = int(stopped.get("growth_bytes", 0))
+                cost.referenced_bytes = int(stopped.get("referenced_bytes", 0))
                 cost.cpu_seconds = float(stopped.get("cpu_seconds", 0.0))
 
     def _watch(self, phase: str) -> dict:

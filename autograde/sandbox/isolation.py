@@ -259,8 +259,29 @@ def status_kib(pid: int | str, field: str) -> int | None:
 
 
 def reset_peak_memory(pid: int | str) -> None:
-    """Reset the peak resident size the kernel keeps for `pid` (VmHWM) to what it holds now."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    """Reset the peak resident size the kernel keeps for `pid` (VmHWM) to what it holds now, and
+    clear the referenced bit of each of its pages, so that `referenced_writable_kib` counts the
+    pages it reads or writes from now on."""
+    clear_refs = Path(f"/proc/{pid}/clear_refs")
+    clear_refs.write_text("1")
+    clear_refs.write_text("5")
+
+
+def referenced_writable_kib(pid: int | str) -> int:
+    """The memory of `pid` read or written since `reset_peak_memory` where a buffer held from
+    before a call could be written, in kB: the Referenced lines of /proc/<pid>/smaps over its
+    writable mappings (heap, shared memory, writable files) and its anonymous ones, whatever their
+    permissions now (a buffer made read-only once written)."""
+    total, counted = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            name, _, rest = line.partition(" ")
+            if not name.endswith(":"):  # a mapping's first line: address range, permissions, offset, device, inode
+                permissions, _, _, inode = rest.split(maxsplit=4)[:4]
+                counted = "w" in permissions or inode == "0"
+            elif name == "Referenced:" and counted:
+                total += int(rest.split()[0])
+    return total
 
 
 def gpu_nodes() -> tuple[str, ...]:
@@ -314,7 +335,9 @@ def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = 
     mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     mount(str(scratch), str(_place(new_root, str(scratch), True)), None, MS_BIND)
     _remount(new_root / str(scratch).lstrip("/"), MS_NOSUID | MS_NODEV)
-    mount("proc", str(_place(new_root, "/proc", True)), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # Read-only: a process that made itself dumpable again could otherwise reset its own peak memory
+    # and referenced pages (/proc/self/clear_refs), which the fork server measures.
+    mount("proc", str(_place(new_root, "/proc", True)), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
     old = _place(new_root, "/.old-root", True)
     pivot_root(str(new_root), str(old))
     os.chdir("/")

@@ -415,8 +415,10 @@ class _CostWatch:
     and their CPU time.
 
     `begin`: for every process of the job (each descendant of its supervisor), the peak resident
-    size the kernel keeps (VmHWM) is reset to what it holds now, and its CPU time read. `end`: how
-    far each peak rose above that, summed, and the CPU time spent, summed; and whether a process
+    size the kernel keeps (VmHWM) is reset to what it holds now, the referenced bits of its pages
+    cleared, and its CPU time read. `end`: how far each peak rose above that, the writable memory
+    each read or wrote (a buffer held from before the call raises no peak), and the CPU time
+    spent, each summed; and whether a process
     started or ended meanwhile, which would take its memory and time out of the sums: a process
     that is there at the end but not at the start, one that is gone, or a child reaped in between
     (the CPU time of reaped children grew; a process doing the work of a call runs for more than a
@@ -434,17 +436,18 @@ class _CostWatch:
                 self.start[pid] = (resident, ticks)
 
     def end(self) -> dict:
-        growth, ticks, ended = 0, 0, 0
+        growth, referenced, ticks, ended = 0, 0, 0, 0
         for pid, (resident, (own, children)) in self.start.items():
             peak, now = isolation.status_kib(pid, "VmHWM"), _cpu_ticks(pid)
             if peak is None or now is None or now[1] != children:
                 ended += 1
             else:
                 growth += max(0, peak - resident)
+                referenced += isolation.referenced_writable_kib(pid)
                 ticks += now[0] - own
         started = len(set(_descendants(self.supervisor)) - set(self.start))
-        return {"growth_bytes": growth * 1024, "cpu_seconds": ticks / os.sysconf("SC_CLK_TCK"), "ended": ended,
-                "started": started}
+        return {"growth_bytes": growth * 1024, "referenced_bytes": referenced * 1024,
+                "cpu_seconds": ticks / os.sysconf("SC_CLK_TCK"), "ended": ended, "started": started}
 
 
 def _watch_cost(request: dict, running: dict[int, tuple[str, int]], watches: dict[str, _CostWatch]) -> dict:
