@@ -10,7 +10,6 @@ for `check()`. `Reference` makes them on the course's solution, in float64, in t
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import itertools
 import os
@@ -178,10 +177,9 @@ class LocalSubmission(_Proxy):
         """Measured in this process, the learner's own: advisory. Where Linux's /proc lets the peak be
         reset, from what the process holds now; elsewhere (macOS) from its peak so far, which shows
         only a call that goes beyond every earlier one. CPU time: this process's, all its threads.
-        The kernel's objects are frozen meanwhile, as the sandboxed worker's are: a collection during
-        the call would otherwise read every page holding them."""
+        Not the memory read or written, which the sandbox counts in a worker made for one notebook: in
+        a long-lived kernel, an honest call's allocations reuse more and more pages of its heap."""
         cost = CallCost("measured in your own kernel; the grader measures it from outside")
-        gc.freeze()
         try:
             isolation.reset_peak_memory("self")
             start, read_peak = isolation.status_kib("self", "VmRSS") * 1024, _peak_since_reset
@@ -191,13 +189,8 @@ class LocalSubmission(_Proxy):
         try:
             yield cost
         finally:
-            gc.unfreeze()
             cost.growth_bytes = max(0, read_peak() - start)
             cost.cpu_seconds = time.process_time() - cpu
-            try:
-                cost.referenced_bytes = isolation.referenced_writable_kib("self") * 1024
-            except OSError:  # no /proc (macOS): what it gained alone
-                pass
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
