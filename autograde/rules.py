@@ -18,7 +18,8 @@ Measurements:
 
 These are measured in the learner's own process, whose code could switch them off: they are
 advisory. Two rules are also measured from outside it, from `CallCost`: how far the memory of
-the learner's processes rose during a call, and the CPU time they spent, read by the fork server
+the learner's processes rose during a call, what they read or wrote of the memory they held, and
+the CPU time they spent, read by the fork server
 from the kernel's counters (`sandbox.server._CostWatch`), which also sees a process start or end;
 `whole_scores` and `work_time` judge them.
 """
@@ -281,7 +282,7 @@ def whole_scores(call: str, peak: CallCost, scores: int) -> list[str]:
     A stored float32 or float16 score matrix breaks it, whether in one tensor, in blocks kept (say,
     on `ctx`), in a buffer allocated before the call or in another process; working memory of the
     size of q, k, v, or of the output once per key block of at least 2 d columns, stays well below
-    it (new pages count twice, gained and written: a few MiB for the reference)."""
+    it (new pages count twice, gained and written: about 10 MiB for the reference's forward)."""
     if peak.problem:
         return [f"whole-scores rule: {peak.problem}"]
     allowed = 2 * scores
