@@ -385,6 +385,20 @@ def test_a_worker_with_the_gpu_is_limited_by_its_data_not_its_address_space(monk
     assert server.memory_rlimit(gpu=False) == resource.RLIMIT_AS
 
 
+def test_a_worker_with_the_gpu_has_a_writable_proc_and_no_case_measured_from_outside(monkeypatch):
+    """A read-only /proc keeps a submission from resetting the memory the fork server measures, but
+    CUDA's initialisation fails on one (cuInit: 304, "OS call failed", in a sandboxed worker on an
+    H100; 0 with /proc writable): a worker with the GPU has it writable, so its exercise may have no
+    case measured from outside."""
+    assert isolation.proc_flags(gpu=True) & isolation.MS_RDONLY  # no GPU here
+    monkeypatch.setattr(isolation, "gpu_nodes", lambda: ("nvidia0", "nvidiactl"))
+    assert not isolation.proc_flags(gpu=True) & isolation.MS_RDONLY
+    assert isolation.proc_flags(gpu=False) & isolation.MS_RDONLY
+    for exercise in registry.EXERCISES.values():
+        measured = "cost_measured(" in registry.test_file(exercise).read_text()
+        assert not (exercise.gpu and measured), exercise.id
+
+
 ASK_NO_DRIVER = """
 import sys, torch
 def refuse(*args):

@@ -300,6 +300,15 @@ def device_nodes(gpu: bool) -> tuple[str, ...]:
     return DEVICES + (gpu_nodes() if gpu else ())
 
 
+def proc_flags(gpu: bool) -> int:
+    """How a worker's /proc is mounted: read-only, since a process that made itself dumpable again
+    could otherwise reset its own peak memory and referenced pages (/proc/self/clear_refs), which
+    the fork server measures; writable for a worker with the GPU, whose CUDA initialisation fails
+    on a read-only /proc ("Error 304: OS call failed", on an H100) and whose exercise measures no
+    memory from outside."""
+    return MS_NOSUID | MS_NODEV | MS_NOEXEC | (0 if gets_gpu(gpu) else MS_RDONLY)
+
+
 def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = False,
                  driver: str | None = None) -> None:
     """Make `new_root` (an empty folder) this mount namespace's root, as described above; with
@@ -335,9 +344,7 @@ def private_root(new_root: Path, scratch: Path, package_root: Path, gpu: bool = 
     mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     mount(str(scratch), str(_place(new_root, str(scratch), True)), None, MS_BIND)
     _remount(new_root / str(scratch).lstrip("/"), MS_NOSUID | MS_NODEV)
-    # Read-only: a process that made itself dumpable again could otherwise reset its own peak memory
-    # and referenced pages (/proc/self/clear_refs), which the fork server measures.
-    mount("proc", str(_place(new_root, "/proc", True)), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+    mount("proc", str(_place(new_root, "/proc", True)), "proc", proc_flags(gpu))
     old = _place(new_root, "/.old-root", True)
     pivot_root(str(new_root), str(old))
     os.chdir("/")
