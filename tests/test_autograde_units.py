@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -369,6 +370,17 @@ def test_compare_reports_nans_dtype_and_other_types():
         "`w`: 1 NaN where the expected values are not NaN, first at index (0, 1)"]
     assert compare_tensor("w", expected, OtherValue("list"), "torch.float64", "cpu") == [
         "`w`: expected a tensor of shape (2, 2), got a list"]
+
+
+def test_a_signalling_nan_is_reported_without_a_warning():
+    """Memory a submission left uninitialised may hold signalling NaNs, whose cast to float64 made
+    numpy warn in the grader's log ("invalid value encountered in cast")."""
+    bits = torch.tensor([0x7FA00000, 0x3F800000], dtype=torch.int32)  # a signalling NaN, then 1.0
+    got = observe_tensor(bits.view(torch.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compare_tensor("out", observe_tensor(torch.ones(2)), got, "torch.float32", "cpu") == [
+            "`out`: 1 NaN where the expected values are not NaN, first at index (0,)"]
 
 
 def test_compare_accepts_errors_within_the_tolerance_relative_to_the_scale():
