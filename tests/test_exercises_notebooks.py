@@ -120,12 +120,13 @@ def same_observation(a, b) -> bool:
     error of its large terms (4.05524677e-05 in paged_kv's output, among entries up to 1.66, came
     out 4.9e-17 apart, 1.2e-12 relative, here and where it was released)."""
     if isinstance(a, TensorValue) and isinstance(b, TensorValue):
-        floats = a.array.dtype.kind == "f"
-        finite = np.abs(b.array[np.isfinite(b.array)]) if floats else None
-        scale = float(finite.max()) if floats and finite.size else 0.0
-        return (a.shape, a.dtype) == (b.shape, b.dtype) and (
-            np.allclose(a.array, b.array, rtol=1e-12, atol=1e-12 * scale + 1e-300, equal_nan=True) if floats
-            else np.array_equal(a.array, b.array))
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return False
+        if a.array.dtype.kind != "f":
+            return np.array_equal(a.array, b.array)
+        finite = np.abs(b.array[np.isfinite(b.array)])
+        scale = float(finite.max()) if finite.size else 0.0
+        return np.allclose(a.array, b.array, rtol=1e-12, atol=1e-12 * scale + 1e-300, equal_nan=True)
     if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
         return all(same_observation(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
