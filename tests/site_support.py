@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import re
-import shutil
-import subprocess
 import threading
 from html.parser import HTMLParser
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +11,8 @@ from pathlib import Path
 from typing import Iterator
 
 import yaml
+
+from tests import debian_packages
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Headless and quiet: no GPU, no QUIC, no first-run pages, no background calls home.
@@ -31,12 +30,7 @@ def ensure_chromium() -> Path:
     missing = [package for package, installed in BROWSER_PACKAGES.items() if not installed.exists()]
     if not missing:
         return CHROMIUM
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RuntimeError(f"install Debian's {' '.join(missing)} (apt-get install {' '.join(missing)})")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update"], check=True, env=env, stdout=subprocess.DEVNULL)
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *missing],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+    debian_packages.install(missing)
     if not CHROMIUM.exists():
         raise RuntimeError(f"apt-get installed chromium but {CHROMIUM} is still missing")
     return CHROMIUM
