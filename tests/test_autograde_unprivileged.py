@@ -36,6 +36,8 @@ from autograde import registry
 from autograde.grading.grade import UNISOLATED_NOTE
 from autograde.sandbox import syscall_filter
 from autograde.sandbox.client import Limits
+from autograde.sandbox.isolation import CGROUPS, marked_delegated
+from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = [
@@ -359,3 +361,50 @@ def test_without_user_namespaces_the_grader_refuses_unless_told_and_says_so(sett
     assert "isolation: session+seccomp (" in allowed.stdout
     assert setting.rows("lone")["ada", "sdpa"]["score"] == "10"
     assert UNISOLATED_NOTE in (setting.out("lone") / "feedback" / "ada.md").read_text()
+
+
+# Run as `nobody` in the course's copy: six processes of 1 GiB in one sandboxed submission.
+TREE_IN_ITS_GROUP = """
+import json, sys, tempfile
+from pathlib import Path
+from autograde import registry
+from autograde.grading.proxies import SandboxedSubmission
+from autograde.sandbox import client as sandbox
+folder = Path(tempfile.mkdtemp(dir=sys.argv[1]))
+limits = sandbox.Limits(wall_seconds=90, memory_bytes=4 * 2**30, cell_seconds=60)
+outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=folder).close()
+facts = folder / "work" / "facts.json"
+print(json.dumps({"isolation": outcome.isolation, "note": outcome.note, "returncode": outcome.returncode,
+                  "output": outcome.output_tail, **(json.loads(facts.read_text()) if facts.exists() else {})}))
+"""
+
+
+@pytest.mark.skipif(not (CGROUPS / "cgroup.controllers").exists(),
+                    reason="cgroup v1 here: a control group is delegated to a user only under version 2")
+def test_a_delegated_control_group_bounds_each_submissions_tree_without_root(setting: Setting):
+    """An instructor without root whose user has a control group delegated to it (`systemd-run
+    --user --scope -p Delegate=yes`, or one an administrator made and handed over the same way, as
+    here): each submission gets a group in it, and its whole tree's memory is bounded (six
+    processes of 1 GiB under 4 GiB: each within its own limit, the tree not)."""
+    delegated = CGROUPS / f"autograde-delegated-{os.getpid()}"
+    (CGROUPS / "cgroup.subtree_control").write_text("+memory +pids")
+    delegated.mkdir()
+    try:
+        for name in ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):  # what systemd hands over
+            os.chown(delegated / name, NOBODY, NOBODY)
+        assert not marked_delegated(delegated)  # owned by the user is not enough: systemd's own groups are too
+        os.setxattr(delegated, "user.delegate", b"1")  # as systemd 251 and later mark it
+        assert marked_delegated(delegated)
+        ran = _run(["sh", "-c", f'echo $$ > {delegated}/cgroup.procs && exec "$@"', "sh", *AS_NOBODY,
+                    setting.python, "-c", TREE_IN_ITS_GROUP, str(setting.base), FILL_MEMORY_FROM_SIX_PROCESSES],
+                   cwd=setting.course, env={"PYTHONPATH": str(setting.course), "PATH": os.defpath}, timeout=300)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        facts = json.loads(ran.stdout.splitlines()[-1])
+    finally:
+        for group in sorted(delegated.rglob("*/"), key=lambda path: -len(path.parts)):
+            if (group / "cgroup.procs").exists():
+                group.rmdir()
+        delegated.rmdir()
+    assert facts["isolation"].startswith("userns+cgroup"), facts
+    assert f"0::/{delegated.name}/autograde-" in facts["cgroup"], facts
+    assert 1 <= facts["held"] <= 3, facts

@@ -363,6 +363,77 @@ def drop_privileges(uid: int) -> None:
 CGROUPS = Path("/sys/fs/cgroup")
 
 
+REQUIRED_CONTROLLERS = ("memory", "pids")  # in a submission's version-2 group; and cpu, where offered
+REST = "autograde-rest"  # the delegated group's own processes, moved out of its way
+
+
+def hand_down_controllers(group: Path) -> None:
+    """Enable the required controllers and cpu, those `group` (version 2) has, in its children's
+    groups: at boot without systemd, even the root group hands down none. Raises OSError where the
+    kernel refuses: a group other than the root that still holds processes may not."""
+    offered = (group / "cgroup.controllers").read_text().split()
+    wanted = [name for name in (*REQUIRED_CONTROLLERS, "cpu") if name in offered]
+    (group / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in wanted))
+
+
+def marked_delegated(group: Path) -> bool:
+    """Whether `group` was handed over as systemd marks it (`Delegate=yes`): the `trusted.delegate`
+    or (systemd 251 and later; readable without privileges) `user.delegate` extended attribute set
+    to 1. systemd owns every other group, even one whose files belong to the user (a session's),
+    and making groups in those would step on its toes."""
+    for name in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(group, name) == b"1":
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def delegated_cgroup() -> Path | None:
+    """The control group delegated to this process's user, where one is: version 2, this process's
+    own group (or its parent, if a fork server before this one moved it into `REST`), marked as
+    delegated, writable by this uid, with the memory and pids controllers. Else None."""
+    if not (CGROUPS / "cgroup.controllers").exists():
+        return None
+    try:
+        entry = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
+        own = CGROUPS / entry[3:].strip("/")
+        if own.name == REST:
+            own = own.parent
+        offered = set((own / "cgroup.controllers").read_text().split())
+    except (OSError, StopIteration):
+        return None
+    writable = all(os.access(own / name, os.W_OK) for name in ("", "cgroup.procs", "cgroup.subtree_control"))
+    return own if writable and marked_delegated(own) and set(REQUIRED_CONTROLLERS) <= offered else None
+
+
+def take_delegated_cgroup() -> Path | None:
+    """Make the delegated group (`delegated_cgroup`) ready for one group per submission: a group
+    may hand controllers to its children only while it holds no process itself, so its processes
+    (this one, the grader, whatever else ran there) move into a child, `REST`, first. Returns the
+    group, or None where there is none or it cannot be made ready."""
+    own = delegated_cgroup()
+    if own is None:
+        return None
+    try:
+        (own / REST).mkdir(exist_ok=True)
+        for _ in range(20):  # a process may start beside them while they move: again
+            for pid in (own / "cgroup.procs").read_text().split():
+                try:
+                    (own / REST / "cgroup.procs").write_text(pid)
+                except ProcessLookupError:
+                    pass
+            try:
+                hand_down_controllers(own)
+                return own
+            except OSError:
+                time.sleep(0.01)
+    except OSError:
+        pass
+    return None
+
+
 class Cgroup:
     """A control group for one submission's process tree: its memory, processes and CPU together.
 
@@ -374,12 +445,14 @@ class Cgroup:
 
     PERIOD = 100_000  # microseconds of the CPU quota's period
 
-    def __init__(self, name: str, memory_bytes: int, processes: int, cpus: float):
+    def __init__(self, name: str, memory_bytes: int, processes: int, cpus: float, within: Path = CGROUPS):
+        """`within`: the version-2 group to make it in (a delegated one, without root)."""
         quota = int(cpus * self.PERIOD)
         if (CGROUPS / "cgroup.controllers").exists():
-            wanted = {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": processes,
-                      "cpu.max": f"{quota} {self.PERIOD}"}
-            self.folders = [CGROUPS / name]
+            wanted = {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": processes}
+            if "cpu" in (within / "cgroup.subtree_control").read_text().split():  # memory and pids are a must
+                wanted["cpu.max"] = f"{quota} {self.PERIOD}"
+            self.folders = [within / name]
             self._create({self.folders[0]: wanted})
         else:
             wanted_by_controller = {

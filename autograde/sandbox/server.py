@@ -9,9 +9,10 @@ grader's worker, and nothing of any submission. Each request (a JSON line on std
   makes a private root filesystem (`isolation.private_root`) and forks the *submission's
   process*, which runs `worker.main` under an unprivileged uid with resource limits;
 - `userns`, without root or without CAP_SYS_ADMIN, where the kernel allows user namespaces: the
-  supervisor forks a process that (as root: joins the cgroup and takes the submission's uid)
-  enters a new user namespace and, owned by it, the same namespaces, and forks the first process
-  of the PID namespace, which goes on as above; the submission's process drops every
+  supervisor forks a process that joins the cgroup (as root; without root, where a group is
+  delegated to the user: `isolation.take_delegated_cgroup`), as root takes the submission's
+  uid, enters a new user namespace and, owned by it, the same namespaces, and forks the first
+  process of the PID namespace, which goes on as above; the submission's process drops every
   capability instead of changing uid;
 - `session`, where neither works: the submission runs in a new session with the same rlimits,
   and the supervisor kills its process group and, when it had its own uid or cgroup, every
@@ -59,6 +60,11 @@ import triton  # noqa: F401
 from autograde.sandbox import isolation, syscall_filter, worker
 
 STDOUT_TAIL = 1500
+
+
+# Without root: the control group (version 2) delegated to the grader's user, where one is, in
+# which each submission gets a group of its own (`isolation.take_delegated_cgroup`).
+_DELEGATED: Path | None = None
 
 
 def memory_rlimit(gpu: bool) -> int:
@@ -272,11 +278,12 @@ def _supervise(request: dict, report: int) -> None:
     os.setsid()
     uid, group, notes = request["uid"], None, []
     mode = _choose_mode(notes)
-    if os.getuid() == 0:
+    if os.getuid() == 0 or _DELEGATED is not None:
         limits = request["limits"]
         try:
             group = isolation.Cgroup(f"autograde-{os.getpid()}", limits["memory_bytes"],
-                                     limits["extra_processes"] + 3, limits["cpus"])
+                                     limits["extra_processes"] + 3, limits["cpus"],
+                                     within=_DELEGATED or isolation.CGROUPS)
         except OSError as exc:
             notes.append(f"no cgroup ({exc})")
     deadline = time.monotonic() + request["limits"]["wall_seconds"]
@@ -469,6 +476,23 @@ def _watch_cost(request: dict, running: dict[int, tuple[str, int]], watches: dic
         return {"error": str(exc)}
 
 
+def _prepare_cgroups() -> None:
+    """Before the first job (and before this server enters a user namespace): without root, take
+    the group delegated to this user, if there is one; as root under version 2, have the root
+    group hand down the controllers a submission's group needs, where no systemd did at boot
+    (where one did, its choice stands)."""
+    global _DELEGATED
+    if os.getuid() != 0:
+        _DELEGATED = isolation.take_delegated_cgroup()
+        return
+    try:
+        enabled = (isolation.CGROUPS / "cgroup.subtree_control").read_text().split()
+        if not set(isolation.REQUIRED_CONTROLLERS) <= set(enabled):
+            isolation.hand_down_controllers(isolation.CGROUPS)
+    except OSError:
+        pass  # version 1 (no such file), or a container's own group holding processes: no cgroups, said per job
+
+
 def serve() -> None:
     """Read requests from stdin, answer on stdout, until stdin closes."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
@@ -477,6 +501,7 @@ def serve() -> None:
     running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
     watches: dict[str, _CostWatch] = {}  # request id -> its call's memory, while measured
     pending = b""
+    _prepare_cgroups()
     replies.write(json.dumps({"ready": os.getpid(), "mounts": _own_mount_namespace()}) + "\n")
     while True:
         ready, _, _ = select.select([0], [], [], 0.02)
