@@ -34,9 +34,9 @@ import pytest
 
 from autograde import registry
 from autograde.grading.grade import UNISOLATED_NOTE
-from autograde.sandbox import syscall_filter
+from autograde.sandbox import isolation, syscall_filter
 from autograde.sandbox.client import Limits
-from autograde.sandbox.isolation import CGROUPS, marked_delegated
+from autograde.sandbox.isolation import CGROUPS
 from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.notebooks import ROOT, SEED
 
@@ -363,19 +363,28 @@ def test_without_user_namespaces_the_grader_refuses_unless_told_and_says_so(sett
     assert UNISOLATED_NOTE in (setting.out("lone") / "feedback" / "ada.md").read_text()
 
 
-# Run as `nobody` in the course's copy: six processes of 1 GiB in one sandboxed submission.
+# Run as `nobody` in the course's copy, in the group handed over to it: which groups count as
+# delegated, then six processes of 1 GiB in one sandboxed submission, its group declared delegated
+# as `grade --delegated-cgroup` does (systemd's user manager marks none of the groups it delegates).
 TREE_IN_ITS_GROUP = """
-import json, sys, tempfile
+import json, os, sys, tempfile
 from pathlib import Path
 from autograde import registry
 from autograde.grading.proxies import SandboxedSubmission
-from autograde.sandbox import client as sandbox
+from autograde.sandbox import client as sandbox, isolation
+group = isolation.CGROUPS / sys.argv[3]
+found = {"unmarked": isolation.delegated_cgroup(), "declared": isolation.delegated_cgroup(declared=True)}
+os.setxattr(group, "user.delegate", b"1")  # as systemd's system manager marks a group it delegates
+found["marked"] = isolation.delegated_cgroup()
+os.removexattr(group, "user.delegate")
+sandbox.declare_delegated_cgroup()
 folder = Path(tempfile.mkdtemp(dir=sys.argv[1]))
 limits = sandbox.Limits(wall_seconds=90, memory_bytes=4 * 2**30, cell_seconds=60)
 outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=folder).close()
 facts = folder / "work" / "facts.json"
 print(json.dumps({"isolation": outcome.isolation, "note": outcome.note, "returncode": outcome.returncode,
-                  "output": outcome.output_tail, **(json.loads(facts.read_text()) if facts.exists() else {})}))
+                  "output": outcome.output_tail, **(json.loads(facts.read_text()) if facts.exists() else {}),
+                  **{key: [str(value[0]), value[1]] for key, value in found.items()}}))
 """
 
 
@@ -392,11 +401,9 @@ def test_a_delegated_control_group_bounds_each_submissions_tree_without_root(set
     try:
         for name in ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):  # what systemd hands over
             os.chown(delegated / name, NOBODY, NOBODY)
-        assert not marked_delegated(delegated)  # owned by the user is not enough: systemd's own groups are too
-        os.setxattr(delegated, "user.delegate", b"1")  # as systemd 251 and later mark it
-        assert marked_delegated(delegated)
         ran = _run(["sh", "-c", f'echo $$ > {delegated}/cgroup.procs && exec "$@"', "sh", *AS_NOBODY,
-                    setting.python, "-c", TREE_IN_ITS_GROUP, str(setting.base), FILL_MEMORY_FROM_SIX_PROCESSES],
+                    setting.python, "-c", TREE_IN_ITS_GROUP, str(setting.base), FILL_MEMORY_FROM_SIX_PROCESSES,
+                    delegated.name],
                    cwd=setting.course, env={"PYTHONPATH": str(setting.course), "PATH": os.defpath}, timeout=300)
         assert ran.returncode == 0, ran.stderr[-3000:]
         facts = json.loads(ran.stdout.splitlines()[-1])
@@ -405,6 +412,21 @@ def test_a_delegated_control_group_bounds_each_submissions_tree_without_root(set
             if (group / "cgroup.procs").exists():
                 group.rmdir()
         delegated.rmdir()
+    # Owned by the user is not enough (so are the groups of a user's session): marked, or declared.
+    unmarked = f"{delegated} is not marked as delegated (grade --delegated-cgroup says it is)"
+    assert facts["unmarked"] == ["None", unmarked], facts
+    assert facts["declared"] == facts["marked"] == [str(delegated), ""], facts
     assert facts["isolation"].startswith("userns+cgroup"), facts
     assert f"0::/{delegated.name}/autograde-" in facts["cgroup"], facts
     assert 1 <= facts["held"] <= 3, facts
+
+
+@pytest.mark.skipif((CGROUPS / "cgroup.controllers").exists(),
+                    reason="cgroup v2 here: the test above checks why a group is not taken")
+def test_a_control_group_declared_delegated_under_cgroup_v1_is_refused_with_the_reason(setting: Setting):
+    """`grade --delegated-cgroup` on a cgroup v1 machine: the grader says why no notebook gets a group."""
+    assert isolation.delegated_cgroup(declared=True) == (None, "cgroup v1: no group is delegated to a user")
+    said = _run([*AS_NOBODY, setting.python, "-c", "from autograde.frontends import cli; "
+                 "print(cli.delegated_cgroup_usable())"], cwd=setting.course, env={"PYTHONPATH": str(setting.course)})
+    assert said.stdout.strip() == "False", said.stderr[-2000:]
+    assert "*** --delegated-cgroup: cgroup v1: no group is delegated to a user. No notebook gets" in said.stderr

@@ -127,6 +127,17 @@ def isolation_allowed(unsafe_no_isolation: bool) -> bool:
     return False
 
 
+def delegated_cgroup_usable() -> bool:
+    """`--delegated-cgroup`: whether the group this run started in can be divided, one group per
+    notebook; where not, says why, loudly, and grading goes on without (the namespaces stand)."""
+    if os.getuid() == 0:
+        return True  # root makes its groups where it likes
+    group, why = isolation.delegated_cgroup(declared=True)
+    if group is None:
+        print(f"\n*** --delegated-cgroup: {why}. No notebook gets a cgroup of its own. ***\n", file=sys.stderr)
+    return group is not None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograde", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     grading.add_argument("--resume", action="store_true",
                          help="go on with the run recorded in --out: grade only the notebooks not yet "
                               "recorded (or changed since), with the run's seed")
+    grading.add_argument("--delegated-cgroup", action="store_true",
+                         help="without root: the cgroup v2 group this run starts in is delegated to you "
+                              "(systemd-run --user --scope -p Delegate=yes ...), so each notebook gets a "
+                              "group of its own in it")
     grading.add_argument("--unsafe-no-isolation", action="store_true",
                          help="grade even where submissions cannot be isolated (no namespaces, no user "
                               "namespaces): they can then read what you can and reach the network")
@@ -183,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if not args.path.exists():
         parser.error(f"{args.path} is neither a notebook nor a folder")
+    if args.delegated_cgroup:
+        delegated_cgroup_usable()
+        sandbox.declare_delegated_cgroup()
     if not isolation_allowed(args.unsafe_no_isolation):
         return 2
     if args.path.is_file():

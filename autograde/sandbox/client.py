@@ -101,6 +101,17 @@ def gpu_environment() -> dict[str, str]:
     return {name: os.environ[name] for name in GPU_ENVIRONMENT if name in os.environ}
 
 
+def _declared_delegation() -> dict[str, str]:
+    name = isolation.DELEGATED_VARIABLE
+    return {name: os.environ[name]} if name in os.environ else {}
+
+
+def declare_delegated_cgroup() -> None:
+    """The group this run started in is delegated to its user (`grade --delegated-cgroup`): each
+    submission gets a group in it. Before the fork server starts, which reads it."""
+    os.environ[isolation.DELEGATED_VARIABLE] = "1"
+
+
 def driver_library() -> str | None:
     """The CUDA driver's library, where Triton would look for it in this process: the folder
     `TRITON_LIBCUDA_PATH` names, else the loader's cache (`ldconfig -p`), then `LD_LIBRARY_PATH`;
@@ -210,7 +221,7 @@ class ForkServer:
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
             env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **gpu_environment(),
-                                                      **needed}),
+                                                      **needed, **_declared_delegation()}),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True,
         )

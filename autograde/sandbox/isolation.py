@@ -365,6 +365,8 @@ CGROUPS = Path("/sys/fs/cgroup")
 
 REQUIRED_CONTROLLERS = ("memory", "pids")  # in a submission's version-2 group; and cpu, where offered
 REST = "autograde-rest"  # the delegated group's own processes, moved out of its way
+# "1" where the instructor declares the group the run started in delegated (`grade --delegated-cgroup`)
+DELEGATED_VARIABLE = "AUTOGRADE_DELEGATED_CGROUP"
 
 
 def hand_down_controllers(group: Path) -> None:
@@ -377,10 +379,11 @@ def hand_down_controllers(group: Path) -> None:
 
 
 def marked_delegated(group: Path) -> bool:
-    """Whether `group` was handed over as systemd marks it (`Delegate=yes`): the `trusted.delegate`
-    or (systemd 251 and later; readable without privileges) `user.delegate` extended attribute set
-    to 1. systemd owns every other group, even one whose files belong to the user (a session's),
-    and making groups in those would step on its toes."""
+    """Whether `group` was handed over as systemd's system manager marks it (`Delegate=yes`): the
+    `trusted.delegate` or (readable without privileges) `user.delegate` extended attribute set to 1.
+    Every other group belongs to its manager, even one whose files belong to the user (the user
+    manager's own scopes, which it never marks, delegated or not: `declared` below), and making
+    groups in those would step on its toes."""
     for name in ("trusted.delegate", "user.delegate"):
         try:
             if os.getxattr(group, name) == b"1":
@@ -390,32 +393,38 @@ def marked_delegated(group: Path) -> bool:
     return False
 
 
-def delegated_cgroup() -> Path | None:
-    """The control group delegated to this process's user, where one is: version 2, this process's
-    own group (or its parent, if a fork server before this one moved it into `REST`), marked as
-    delegated, writable by this uid, with the memory and pids controllers. Else None."""
+def delegated_cgroup(declared: bool = False) -> tuple[Path | None, str]:
+    """The control group delegated to this process's user, and why not where there is none: version
+    2, this process's own group (or its parent, if a fork server before this one moved it into
+    `REST`), marked as delegated or `declared` so by the instructor (`grade --delegated-cgroup`),
+    writable by this uid, with the memory and pids controllers."""
     if not (CGROUPS / "cgroup.controllers").exists():
-        return None
+        return None, "cgroup v1: no group is delegated to a user"
     try:
         entry = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
         own = CGROUPS / entry[3:].strip("/")
         if own.name == REST:
             own = own.parent
         offered = set((own / "cgroup.controllers").read_text().split())
-    except (OSError, StopIteration):
-        return None
-    writable = all(os.access(own / name, os.W_OK) for name in ("", "cgroup.procs", "cgroup.subtree_control"))
-    return own if writable and marked_delegated(own) and set(REQUIRED_CONTROLLERS) <= offered else None
+    except (OSError, StopIteration) as exc:
+        return None, f"this process's group cannot be read ({exc})"
+    if not (declared or marked_delegated(own)):
+        return None, f"{own} is not marked as delegated (grade --delegated-cgroup says it is)"
+    if not all(os.access(own / name, os.W_OK) for name in ("", "cgroup.procs", "cgroup.subtree_control")):
+        return None, f"{own} is not writable by uid {os.getuid()}: not delegated to this user"
+    if not set(REQUIRED_CONTROLLERS) <= offered:
+        return None, f"{own} offers the controllers {' '.join(sorted(offered)) or 'none'}, not memory and pids"
+    return own, ""
 
 
-def take_delegated_cgroup() -> Path | None:
+def take_delegated_cgroup(declared: bool = False) -> tuple[Path | None, str]:
     """Make the delegated group (`delegated_cgroup`) ready for one group per submission: a group
     may hand controllers to its children only while it holds no process itself, so its processes
     (this one, the grader, whatever else ran there) move into a child, `REST`, first. Returns the
-    group, or None where there is none or it cannot be made ready."""
-    own = delegated_cgroup()
+    group, or None and why."""
+    own, why = delegated_cgroup(declared)
     if own is None:
-        return None
+        return None, why
     try:
         (own / REST).mkdir(exist_ok=True)
         for _ in range(20):  # a process may start beside them while they move: again
@@ -426,12 +435,13 @@ def take_delegated_cgroup() -> Path | None:
                     pass
             try:
                 hand_down_controllers(own)
-                return own
-            except OSError:
+                return own, ""
+            except OSError as exc:
+                why = f"{own} would not hand its controllers down ({exc})"
                 time.sleep(0.01)
-    except OSError:
-        pass
-    return None
+    except OSError as exc:
+        why = f"{own}: {exc}"
+    return None, why
 
 
 class Cgroup:

@@ -482,8 +482,8 @@ def _prepare_cgroups() -> None:
     group hand down the controllers a submission's group needs, where no systemd did at boot
     (where one did, its choice stands)."""
     global _DELEGATED
-    if os.getuid() != 0:
-        _DELEGATED = isolation.take_delegated_cgroup()
+    if os.getuid() != 0:  # why not, where declared, the grader said when it started (`cli.py`)
+        _DELEGATED, _ = isolation.take_delegated_cgroup(os.environ.get(isolation.DELEGATED_VARIABLE) == "1")
         return
     try:
         enabled = (isolation.CGROUPS / "cgroup.subtree_control").read_text().split()
