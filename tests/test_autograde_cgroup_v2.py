@@ -54,12 +54,15 @@ PYTHONDONTWRITEBYTECODE=1 "$PYTHON" -m pytest -o addopts= -p no:timeout -p no:ca
 
 def _kernel() -> Path:
     """The newest of Debian's kernels in /boot, installed with its modules if there is none."""
+    def newest() -> Path | None:
+        return max(Path("/boot").glob("vmlinuz-*"), key=lambda path: path.stat().st_mtime, default=None)
+
     missing = [package for package, installed in VM_PACKAGES.items() if not installed.exists()]
-    kernels = sorted(Path("/boot").glob("vmlinuz-*"), key=lambda path: path.stat().st_mtime)
-    debian_packages.install(missing + ["linux-image-amd64"] * (not kernels))
-    kernels = kernels or sorted(Path("/boot").glob("vmlinuz-*"), key=lambda path: path.stat().st_mtime)
-    assert kernels, "apt-get installed linux-image-amd64, but /boot has no vmlinuz-*"
-    return kernels[-1]
+    if missing or newest() is None:
+        debian_packages.install(missing + ["linux-image-amd64"] * (newest() is None))
+    kernel = newest()
+    assert kernel is not None, "apt-get installed linux-image-amd64, but /boot has no vmlinuz-*"
+    return kernel
 
 
 def test_the_tests_that_need_cgroup_v2_pass_in_a_virtual_machine_that_has_it(tmp_path: Path):
@@ -86,4 +89,3 @@ def test_the_tests_that_need_cgroup_v2_pass_in_a_virtual_machine_that_has_it(tmp
         outcomes[f"{case.get('classname')}.{case.get('name')}"] = ended[0] if ended else "passed"
     expected = {test.replace(".py::", ".").replace("/", "."): "passed" for test in VERSION_2_TESTS}
     assert outcomes == expected, log[-5000:]
-
