@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import ctypes
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -78,3 +81,81 @@ def class_grades(tmp_path_factory) -> ClassGrades:
     )
     rows = list(csv.DictReader((out / "grades.csv").open())) if (out / "grades.csv").exists() else []
     return ClassGrades(submitted, out, process.returncode, process.stdout, process.stderr, rows)
+
+
+# What every session checks as it ends: no process of the tests' is left running, and no test
+# wrote into the source tree. The session's process is made a subreaper, so that a process whose
+# parent has ended (a fork server's worker, a daemonised QEMU) is still found among its descendants.
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _git_status() -> str | None:
+    found = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                           capture_output=True, text=True)
+    return found.stdout if found.returncode == 0 else None
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """The live (not zombie) processes below `pid`: (pid, command line)."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        states[int(entry.name)] = fields[0]
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        todo.extend(children.get(child, []))
+        if states.get(child) != "Z":
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            found.append((child, command.strip()[:200]))
+    return found
+
+
+def pytest_sessionstart(session):
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    session.config.stash[_STATUS_AT_START] = _git_status()
+
+
+_STATUS_AT_START = pytest.StashKey[str | None]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from autograde.sandbox import client
+
+    client.stop_fork_server()  # the grader's own, kept warm for the whole session on purpose
+    problems = []
+    is_worker = hasattr(session.config, "workerinput")  # pytest-xdist: each worker checks its own processes,
+    is_controller = not is_worker and session.config.getoption("dist", "no") != "no"  # the controller the tree
+    if sys.platform == "linux" and not is_controller:
+        left = [(pid, command) for pid, command in _descendants(os.getpid())]
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while True:  # reap what the subreaper inherited
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        problems += [f"process {pid} still running after the tests: {command}" for pid, command in left]
+    before, after = session.config.stash.get(_STATUS_AT_START, None), _git_status()
+    if not is_worker and before is not None and after != before:
+        problems.append("the tests changed the source tree (git status --porcelain):\n"
+                        + "".join(f"  {line}\n" for line in sorted(set(after.splitlines()) ^ set(before.splitlines()))))
+    if problems:
+        session.config.get_terminal_writer().line("\n".join(problems), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

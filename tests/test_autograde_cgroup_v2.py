@@ -25,6 +25,7 @@ from tests import debian_packages
 from tests.fixtures.notebooks import ROOT
 
 pytestmark = [
+    pytest.mark.vm,
     pytest.mark.timeout(1800),
     pytest.mark.skipif((CGROUPS / "cgroup.controllers").exists(),
                        reason="this machine's cgroups are version 2: the tests below run here directly"),

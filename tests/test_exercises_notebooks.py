@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -97,18 +98,26 @@ def comparable(notebook: nbformat.NotebookNode) -> list:
 
 
 def test_the_exercises_are_generated_from_the_solutions(tmp_path: Path):
-    """Fails when exercises/ is stale: run `python -m autograde release` (`make exercises`)."""
-    release.release(exercises=tmp_path)
-    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.ipynb"))
+    """Fails when exercises/ or the solutions' test cells are stale: run `python -m autograde release`
+    (`make exercises`). The release runs on a copy: a test never repairs the tree it checks."""
+    solutions = tmp_path / "solutions"
+    shutil.copytree(ROOT / "solutions", solutions, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    released = tmp_path / "exercises"
+    release.release(solutions=solutions, exercises=released)
+    for path in sorted(solutions.rglob("*.ipynb")):
+        synced = nbformat.read(path, as_version=4)
+        in_tree = nbformat.read(ROOT / "solutions" / path.relative_to(solutions), as_version=4)
+        assert comparable(synced) == comparable(in_tree), f"the test cells of solutions/{path.name} are stale"
+    fresh = sorted(p.relative_to(released) for p in released.rglob("*.ipynb"))
     committed = sorted(p.relative_to(ROOT / "exercises") for p in (ROOT / "exercises").rglob("*.ipynb"))
     assert fresh == committed
     for path in fresh:
-        generated = nbformat.read(tmp_path / path, as_version=4)
+        generated = nbformat.read(released / path, as_version=4)
         on_disk = nbformat.read(ROOT / "exercises" / path, as_version=4)
         assert comparable(generated) == comparable(on_disk), f"exercises/{path} is stale"
     for exercise in exercises.EXERCISES.values():
         fresh_values, committed_values = (expected.read(expected.path(exercise, folder))
-                                          for folder in (tmp_path, ROOT / "exercises"))
+                                          for folder in (released, ROOT / "exercises"))
         assert fresh_values.keys() == committed_values.keys(), f"{exercise.id}'s released expected values are stale"
         for key, value in fresh_values.items():
             assert same_observation(value, committed_values[key]), f"{exercise.id}'s released expected values are stale"
