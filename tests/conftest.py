@@ -153,9 +153,10 @@ def pytest_sessionfinish(session, exitstatus):
                 break
         problems += [f"process {pid} still running after the tests: {command}" for pid, command in left]
     before, after = session.config.stash.get(_STATUS_AT_START, None), _git_status()
-    if not is_worker and before is not None and after != before:
+    changed = sorted(set(after.splitlines()) - set(before.splitlines())) if before is not None and after else []
+    if not is_worker and changed:
         problems.append("the tests changed the source tree (git status --porcelain):\n"
-                        + "".join(f"  {line}\n" for line in sorted(set(after.splitlines()) ^ set(before.splitlines()))))
+                        + "".join(f"  {line}\n" for line in changed))
     if problems:
         session.config.get_terminal_writer().line("\n".join(problems), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
