@@ -3,11 +3,14 @@
 In the course's own folder (a clone, or an editable install) they sit beside the `autograde`
 package. With the package installed elsewhere, they are found in the current folder or one of
 its parents, or where $AUTOGRADE_COURSE says. A class's copy of the course may hold
-`exercises/` alone: the learners' checks then use the expected values released with them.
+`exercises/` alone: the learners' checks then use the expected values released with them. An
+installed course (`pip install .`) holds those values too, as the package `autograde.released`,
+so that a notebook opened anywhere can be checked.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -54,4 +57,20 @@ def solutions() -> Path:
 
 
 def exercises() -> Path:
-    return root() / "exercises"
+    """The course's exercises/; without a course here, the expected values installed with the package."""
+    try:
+        return root() / "exercises"
+    except CourseNotFound as not_found:
+        installed = _installed_release()
+        if installed is None:
+            raise CourseNotFound(
+                f"{not_found}; the installed package holds no expected values either. Open the notebook "
+                "inside the course's folder, or install the course from its folder with `pip install .`") from None
+        return installed
+
+
+def _installed_release() -> Path | None:
+    """`autograde/released/`, the exercises' expected values as a wheel installs them (a namespace package)."""
+    spec = importlib.util.find_spec("autograde.released")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    return next((Path(folder) for folder in folders if any(Path(folder).glob("*/*.expected.zip"))), None)

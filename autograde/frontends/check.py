@@ -35,6 +35,7 @@ def run_in_kernel(exercise: Exercise, namespace: dict, hidden_seed: int | None, 
     """The tests (`selection`: test function names, default all) on the functions in `namespace`."""
     submission = LocalSubmission(exercise, namespace)
     session = Session(exercise, lambda: submission, hidden_seed, visible_only)
+    session.reference()  # the expected values, found before any test: if missing, one error says what to do
     session.run(*selection)
     order = [test.name for test in catalogue(exercise)]
     results = sorted(session.results.values(), key=lambda result: order.index(result.name))
