@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -40,10 +40,6 @@ def shard_argument(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None:
     """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, the class report,
     and feedback per student in Markdown and HTML: the same for one run and for merged shards."""
@@ -67,20 +63,20 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
     except journal.JournalError as exc:
         print(exc, file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: what is recorded stays recorded
+    batch.stop_on_signals()  # Ctrl-C, SIGTERM, SIGHUP: what is recorded stays recorded, nothing else is
     try:
         rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard)
+        students = list(dict.fromkeys(student for student, _ in rows))
+        write_outputs(out, rows, record.seed, students)
     except journal.JournalError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: {len(record.done())} notebooks are recorded in {out / journal.FILE}; "
+    except batch.Interrupted as exc:
+        print(f"interrupted by {exc}: {len(record.done())} notebooks are recorded in {out / journal.FILE}; "
               f"grade the rest with --resume", file=sys.stderr)
-        return 130
+        return 128 + exc.signum  # as a shell reports a command a signal ended
     finally:
         record.close()
-    students = list(dict.fromkeys(student for student, _ in rows))
-    write_outputs(out, rows, record.seed, students)
     isolation = sorted({g.isolation for _, g in rows if g.isolation})
     part = "" if shard == (1, 1) else f" (shard {shard[0]}/{shard[1]}; merge the shards with `merge`)"
     print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}{part}: "
@@ -138,12 +134,58 @@ def delegated_cgroup_usable() -> bool:
     return group is not None
 
 
+GRADE_OUTPUTS = """\
+what it writes in --out:
+  grades.csv          one row per student and exercise: score, status, reason, the assignment's and
+                      the student's totals
+  results.csv         one row per test
+  canvas.csv, moodle.csv   gradebooks to import
+  report.html         the class report: scores, the most failed tests, the slowest notebooks
+  feedback/<student>.md, .html   each student's feedback: visible tests in detail, hidden ones by name
+  journal.sqlite3     the run's record, for --resume
+
+example:
+  python -m autograde grade submitted/ --out grades/ --seed 12345 --assignment attention
+  (submitted/<student>/<assignment>/<exercise>.ipynb, nbgrader's layout)
+"""
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("mha-derived")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from the course's folder)"
+
+
+def known_assignments() -> list[str]:
+    return list(dict.fromkeys(exercise.assignment for exercise in registry.EXERCISES.values()))
+
+
+def layout_problem(submitted: Path) -> str | None:
+    """Why `submitted` is not a class's folder (`<student>/<assignment>/<exercise>.ipynb`), with a
+    hint: it holds no notebook that deep, most often because it is one or two levels too deep."""
+    def notebooks(pattern: str) -> list[Path]:
+        return [p for p in submitted.glob(pattern) if not any(part.startswith(".") for part in
+                                                                  p.relative_to(submitted).parts)]
+    if notebooks("*/*/**/*.ipynb"):
+        return None
+    hint = "give the class's folder"
+    if notebooks("*.ipynb"):
+        hint = (f"it holds notebooks itself, as one student's assignment folder does: grade one with "
+                f"`grade {submitted / notebooks('*.ipynb')[0].name}`, or {hint} ({submitted.parent.parent}?)")
+    elif notebooks("*/*.ipynb"):
+        hint = f"it looks like one student's folder: {hint} ({submitted.parent}?)"
+    return f"{submitted} holds no notebook as <student>/<assignment>/<exercise>.ipynb: {hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograde", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("release", help="regenerate exercises/ from solutions/ with nbgrader")
     grading = commands.add_parser(
-        "grade", help="grade <submitted>/<student>/<assignment>/<exercise>.ipynb, or one notebook")
+        "grade", help="grade <submitted>/<student>/<assignment>/<exercise>.ipynb, or one notebook",
+        epilog=GRADE_OUTPUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
     grading.add_argument("path", type=Path, help="the submitted folder, or one notebook")
     grading.add_argument("--out", type=Path, default=Path("grades"),
                          help="where grades.csv and feedback/ go (default: grades)")
@@ -152,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     grading.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                          help="notebooks graded at once (default: the number of cores)")
     grading.add_argument("--assignment", action="append",
-                         help="grade only this assignment (repeatable; default: those submitted)")
+                         help=f"grade only this assignment (repeatable; default: those submitted): "
+                              f"{', '.join(known_assignments())}")
     grading.add_argument("--timeout", type=float, default=sandbox.Limits.wall_seconds,
                          help="wall-clock seconds for one notebook (default: %(default)s)")
     grading.add_argument("--shard", type=shard_argument, default=(1, 1), metavar="K/N",
@@ -187,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         return merge_shards(args.shards, args.out)
 
     if args.command == "release":
-        for path in release.release():
+        try:
+            written = release.release()
+        except course.CourseNotFound as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        for path in written:
             print(f"wrote {path.relative_to(course.root())}")
         return 0
     try:  # the references and the release: without them nothing can be graded
@@ -198,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     limits = sandbox.Limits(wall_seconds=args.timeout)
     if not args.path.exists():
         parser.error(f"{args.path} is neither a notebook nor a folder")
+    unknown = [name for name in args.assignment or () if name not in known_assignments()]
+    problem = (f"no assignment {', '.join(unknown)}; the assignments are {', '.join(known_assignments())}"
+               if unknown else layout_problem(args.path) if args.path.is_dir() else None)
+    if problem:  # before anything is written or started
+        print(problem, file=sys.stderr)
+        return 2
     if args.delegated_cgroup:
         delegated_cgroup_usable()
         sandbox.declare_delegated_cgroup()

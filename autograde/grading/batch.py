@@ -4,12 +4,18 @@
 gets a row for every exercise, whatever their folder holds; a fault in grading one notebook
 costs that row only. With a `Journal`, rows that are already recorded (for the same notebook
 bytes) are not graded again, and an interrupted run stops without recording a half-graded row.
+
+Interruptions (SIGINT, SIGTERM, SIGHUP: `stop_on_signals`) are decided here, in the process that
+records, and nowhere else: the grading processes and the fork servers ignore those signals (a
+job scheduler sends them to every process of a job), so a notebook cut short by one can never
+look finished. Once a signal has arrived nothing more is recorded, whatever comes back after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import signal
 import sqlite3
 import sys
 import time
@@ -28,6 +34,47 @@ from autograde.registry import EXERCISES
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
 from autograde.submission import locate
+
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_stopped_by: list[int] = []  # the first stopping signal this run received
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was told to stop by `signum`; nothing graded from then on is recorded."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    if not _stopped_by:  # once: a second signal must not break the clean-up of the first
+        _stopped_by.append(signum)
+        raise Interrupted(signum)
+
+
+def stop_on_signals() -> None:
+    """Stop the run on Ctrl-C, SIGTERM (a scheduler's cancel, requeue or time limit) or SIGHUP.
+
+    The handler raises `Interrupted` to cut short what this process waits for, but code between
+    here and the notebook may swallow it (pytest turns a KeyboardInterrupt into an exit code), so
+    what counts is the flag it sets, which `grade_all` reads before recording anything."""
+    _stopped_by.clear()
+    for number in STOPPING_SIGNALS:
+        signal.signal(number, _on_signal)
+
+
+def _stop_if_interrupted() -> None:
+    if _stopped_by:
+        raise Interrupted(_stopped_by[0])
+
+
+def _grading_process_setup() -> None:
+    """A grading process of the pool dies with the run, and leaves signals to it (see above); its
+    fork server inherits the ignored signals."""
+    isolation.die_with_parent()
+    for number in STOPPING_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def students_in(submitted: Path) -> list[str]:
@@ -153,8 +200,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
 
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
     in as many grading processes (trusted: they run the tests, each with its own fork server).
-    On KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one) it stops: notebooks being graded
-    are not recorded, and the interrupt goes on up.
+    Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
+    they came back with, and `Interrupted` goes on up.
     """
     everyone = students_in(submitted)
     twins = duplicates(everyone)
@@ -172,6 +219,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
               file=sys.stderr)
 
     def record(student: str, grade: Grade) -> None:
+        _stop_if_interrupted()  # a grade that came back after a signal may be one it cut short
         if journal:
             try:
                 journal.record(student, prints[student, grade.exercise.id], grade)
@@ -197,6 +245,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.set_postfix_str(_duration(None), refresh=False)
         if jobs <= 1 or len(tasks) <= 1:
             for student, exercise in tasks:
+                _stop_if_interrupted()
                 grade = grade_one(submitted, student, exercise, seed, limits, twins.get(student))
                 record(student, grade)
                 finished(bar, grade, student)
@@ -204,7 +253,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
             # Each grading process dies with this one (SIGKILL included), and its fork server with it.
             pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                                        mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=isolation.die_with_parent)
+                                       initializer=_grading_process_setup)
             try:
                 futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
                                        twins.get(student)): student for student, exercise in tasks}
@@ -216,6 +265,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 for process in list(getattr(pool, "_processes", {}).values()):
                     process.kill()  # its fork server, and what that runs, die with it
                 pool.shutdown(wait=False, cancel_futures=True)
+                _stop_if_interrupted()  # a grading process that a signal ended first breaks the pool
                 raise
             pool.shutdown()
     return [(student, grades[student, e.id]) for student in students for e in chosen]

@@ -39,7 +39,10 @@ from typing import BinaryIO, Callable, Mapping
 from autograde.sandbox import isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
-_START_SERVER = "import sys; sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()"
+# The signals that stop a run are the grader's to act on (server.py), from before the server imports torch.
+_START_SERVER = ("import signal, sys; [signal.signal(s, signal.SIG_IGN) for s in "
+                 "(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]; "
+                 "sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()")
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
 UID_BLOCK, UID_BLOCKS = 4096, 500_000  # up to FIRST_UID + 2**31: still below the largest uid, 2**32 - 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -455,23 +456,28 @@ class Cgroup:
 
     PERIOD = 100_000  # microseconds of the CPU quota's period
 
-    def __init__(self, name: str, memory_bytes: int, processes: int, cpus: float, within: Path = CGROUPS):
-        """`within`: the version-2 group to make it in (a delegated one, without root)."""
+    def __init__(self, name: str, memory_bytes: int, processes: int, cpus: float, parents: dict[str, Path]):
+        """`parents`: where to make it (`submission_cgroup_parents`): {"": a version-2 group}, or
+        a version-1 group per controller."""
         quota = int(cpus * self.PERIOD)
-        if (CGROUPS / "cgroup.controllers").exists():
+        if "" in parents:
+            within = parents[""]
             wanted = {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": processes}
             if "cpu" in (within / "cgroup.subtree_control").read_text().split():  # memory and pids are a must
                 wanted["cpu.max"] = f"{quota} {self.PERIOD}"
-            self.folders = [within / name]
-            self._create({self.folders[0]: wanted})
+            settings = {within / name: wanted}
         else:
             wanted_by_controller = {
                 "memory": {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes},
                 "pids": {"pids.max": processes},
                 "cpu": {"cpu.cfs_period_us": self.PERIOD, "cpu.cfs_quota_us": quota},
             }
-            self.folders = [CGROUPS / controller / name for controller in wanted_by_controller]
-            self._create(dict(zip(self.folders, wanted_by_controller.values())))
+            settings = {}
+            for controller, values in wanted_by_controller.items():
+                if controller in parents:  # cpu where it is mounted; memory and pids always (see there)
+                    settings.setdefault(parents[controller] / name, {}).update(values)
+        self.folders = list(settings)
+        self._create(settings)
 
     def _create(self, settings: dict[Path, dict]) -> None:
         try:
@@ -504,11 +510,135 @@ class Cgroup:
     def remove(self) -> None:
         """Once its processes have gone (the caller killed them), the group goes too."""
         for folder in self.folders:
-            for _ in range(200):
-                try:
-                    folder.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # still busy: its last processes are being reaped
+            _remove_group(folder)
+
+
+def _remove_group(folder: Path, tries: int = 200) -> bool:
+    """rmdir `folder`, a group whose processes are being killed and reaped: again while it is busy."""
+    for _ in range(tries):
+        try:
+            folder.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:  # still busy: its last processes are being reaped
+            time.sleep(0.01)
+    return False
+
+
+# A submission's group: autograde-<the fork server's pid>-<its supervisor's pid> (before, autograde-<supervisor>).
+_SUBMISSION_GROUP = re.compile(r"autograde-(\d+)(?:-\d+)?")
+V1_CONTROLLERS = ("memory", "pids", "cpu")  # the version-1 hierarchies a submission's group is made in
+
+
+def _cgroup_mounts() -> list[tuple[str, Path, str, set[str]]]:
+    """Every cgroup hierarchy mounted here: (the folder of the hierarchy it shows, where, its type,
+    its options: a version-1 hierarchy's controllers)."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, _, rest = line.partition(" - ")
+        fields, rest = fields.split(), rest.split()
+        if len(fields) >= 5 and len(rest) >= 3 and rest[0] in ("cgroup", "cgroup2"):
+            found.append((fields[3], Path(fields[4]), rest[0], set(rest[2].split(","))))
+    return found
+
+
+def _mounted_at(path: str, shown: str, mount_point: Path) -> Path | None:
+    """Where the group `path` of a hierarchy lies, under a mount of its folder `shown`; None if it
+    lies outside (a container that sees only part of the hierarchy)."""
+    relative = os.path.relpath(path, shown)
+    if relative == ".." or relative.startswith("../"):
+        return None
+    return mount_point if relative == "." else mount_point / relative
+
+
+def own_cgroups() -> dict[str, Path]:
+    """The groups this process runs in, where they are mounted: {"": its group} under version 2,
+    else {controller: its group in that controller's hierarchy} for the `V1_CONTROLLERS` mounted."""
+    lines = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    version_2 = (CGROUPS / "cgroup.controllers").exists()
+    found: dict[str, Path] = {}
+    for shown, mount_point, kind, options in _cgroup_mounts():
+        for _, controllers, path in lines:
+            if version_2 and kind == "cgroup2" and mount_point == CGROUPS and controllers == "":
+                names = [""]
+            elif not version_2 and kind == "cgroup":
+                names = [c for c in controllers.split(",") if c in V1_CONTROLLERS and c in options]
+            else:
+                continue
+            where = _mounted_at(path, shown, mount_point)
+            for name in names:
+                if where is not None and name not in found:
+                    found[name] = where
+    return found
+
+
+def submission_cgroup_parents() -> tuple[dict[str, Path] | None, str]:
+    """As root: where the submissions' groups go, and why nowhere where they cannot. Inside the
+    groups this process runs in, as systemd and Slurm delegate them, so that a job's limits bound
+    its notebooks too. Under version 2, a group other than the root must first hand down its
+    controllers, which it may only while it holds no process: its processes move into `REST`, as
+    with a group delegated without root (`take_delegated_cgroup`)."""
+    try:
+        own = own_cgroups()
+    except OSError as exc:
+        return None, f"this process's groups cannot be read ({exc})"
+    if "" in own:
+        if own[""] != CGROUPS:
+            group, why = take_delegated_cgroup(declared=True)
+            return ({"": group}, "") if group is not None else (None, why)
+        try:  # the root group: at boot without systemd it hands down no controller
+            enabled = (CGROUPS / "cgroup.subtree_control").read_text().split()
+            if not set(REQUIRED_CONTROLLERS) <= set(enabled):
+                hand_down_controllers(CGROUPS)
+        except OSError as exc:
+            return None, f"{CGROUPS} would not hand its controllers down ({exc})"
+        return {"": CGROUPS}, ""
+    missing = [name for name in REQUIRED_CONTROLLERS if name not in own]
+    if missing:
+        return None, f"no cgroup hierarchy of {' or '.join(missing)} is mounted where this process's group is"
+    return own, ""
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_submission_groups(parents: dict[str, Path], server: int | None = None) -> None:
+    """Remove the submissions' groups in `parents`: those of the fork server `server`, as it stops,
+    killing whatever is left in them; by default those whose fork server has gone, which a grader
+    killed with SIGKILL leaves behind, where they are empty (a group that still holds a process may
+    belong to a run this process cannot see)."""
+    for parent in set(parents.values()):
+        try:
+            children = [child for child in parent.iterdir() if child.is_dir()]
+        except OSError:
+            continue
+        for folder in children:
+            match = _SUBMISSION_GROUP.fullmatch(folder.name)
+            if match is None:
+                continue
+            owner = int(match.group(1))
+            if server is None:
+                if not _running(owner):
+                    _remove_group(folder, tries=1)
+            elif owner == server:
+                for _ in range(100):
+                    try:
+                        left = [int(pid) for pid in (folder / "cgroup.procs").read_text().split()]
+                    except OSError:
+                        break
+                    for pid in left:
+                        try:
+                            os.kill(pid, 9)
+                        except OSError:
+                            pass
+                    if _remove_group(folder, tries=1):
+                        break
                     time.sleep(0.01)

@@ -24,6 +24,15 @@ user namespace of its own), where it mounts each job's scratch folder as a tmpfs
 when the grader asks (a `mount` request; `unmount` afterwards): the grader reaches it through
 `/proc/<server>/root`, and each submission's root, made from a copy of this namespace, binds it.
 
+The groups are made inside the grader's own (`isolation.submission_cgroup_parents`), so that a
+job's limits (Slurm's, a systemd unit's) bound its notebooks too, and named after the server, which
+removes those of its jobs when it stops, and at its start those of servers that are gone.
+
+The server and its supervisors ignore SIGINT, SIGTERM and SIGHUP (set before it starts, by the
+client): a job scheduler sends them to every process of a job, and whether a run stops is for
+the grader to decide, which then stops the server by closing its requests. The submission's
+process takes the default actions back.
+
 The grader may also ask what one call cost a job's processes, their peak memory and CPU time
 (`cost` requests: `_CostWatch`), which the server measures from here, outside them.
 
@@ -62,9 +71,11 @@ from autograde.sandbox import isolation, syscall_filter, worker
 STDOUT_TAIL = 1500
 
 
-# Without root: the control group (version 2) delegated to the grader's user, where one is, in
-# which each submission gets a group of its own (`isolation.take_delegated_cgroup`).
-_DELEGATED: Path | None = None
+# Where each submission gets a group of its own: as root, inside the groups the grader runs in
+# (`isolation.submission_cgroup_parents`); without root, the version-2 group delegated to the
+# grader's user, where one is (`isolation.take_delegated_cgroup`); None: no group.
+_CGROUP_PARENTS: dict[str, Path] | None = None
+_NO_CGROUP = ""  # as root, why no submission gets a group
 
 
 def memory_rlimit(gpu: bool) -> int:
@@ -278,14 +289,15 @@ def _supervise(request: dict, report: int) -> None:
     os.setsid()
     uid, group, notes = request["uid"], None, []
     mode = _choose_mode(notes)
-    if os.getuid() == 0 or _DELEGATED is not None:
+    if _CGROUP_PARENTS is not None:
         limits = request["limits"]
-        try:
-            group = isolation.Cgroup(f"autograde-{os.getpid()}", limits["memory_bytes"],
-                                     limits["extra_processes"] + 3, limits["cpus"],
-                                     within=_DELEGATED or isolation.CGROUPS)
+        try:  # named after the fork server too, which removes it if this supervisor is killed
+            group = isolation.Cgroup(f"autograde-{os.getppid()}-{os.getpid()}", limits["memory_bytes"],
+                                     limits["extra_processes"] + 3, limits["cpus"], _CGROUP_PARENTS)
         except OSError as exc:
             notes.append(f"no cgroup ({exc})")
+    elif _NO_CGROUP:
+        notes.append(f"no cgroup ({_NO_CGROUP})")
     deadline = time.monotonic() + request["limits"]["wall_seconds"]
     status_read, status_write = os.pipe()
     mapping = (os.pipe(), os.pipe()) if mode == "userns" and os.getuid() == 0 else None
@@ -477,20 +489,34 @@ def _watch_cost(request: dict, running: dict[int, tuple[str, int]], watches: dic
 
 
 def _prepare_cgroups() -> None:
-    """Before the first job (and before this server enters a user namespace): without root, take
-    the group delegated to this user, if there is one; as root under version 2, have the root
-    group hand down the controllers a submission's group needs, where no systemd did at boot
-    (where one did, its choice stands)."""
-    global _DELEGATED
+    """Before the first job (and before this server enters a user namespace): find where the
+    submissions' groups go (see `_CGROUP_PARENTS`), and remove the groups that a grader killed
+    before its fork server could clean up left there."""
+    global _CGROUP_PARENTS, _NO_CGROUP
     if os.getuid() != 0:  # why not, where declared, the grader said when it started (`cli.py`)
-        _DELEGATED, _ = isolation.take_delegated_cgroup(os.environ.get(isolation.DELEGATED_VARIABLE) == "1")
-        return
-    try:
-        enabled = (isolation.CGROUPS / "cgroup.subtree_control").read_text().split()
-        if not set(isolation.REQUIRED_CONTROLLERS) <= set(enabled):
-            isolation.hand_down_controllers(isolation.CGROUPS)
-    except OSError:
-        pass  # version 1 (no such file), or a container's own group holding processes: no cgroups, said per job
+        delegated, _ = isolation.take_delegated_cgroup(os.environ.get(isolation.DELEGATED_VARIABLE) == "1")
+        _CGROUP_PARENTS = None if delegated is None else {"": delegated}
+    else:
+        _CGROUP_PARENTS, _NO_CGROUP = isolation.submission_cgroup_parents()
+    if _CGROUP_PARENTS is not None:
+        isolation.remove_submission_groups(_CGROUP_PARENTS)
+
+
+def _stop_every_job(running: dict[int, tuple[str, int]]) -> None:
+    """As the server stops (its grader closed the requests or died): no job outlives it, and no
+    group of a job either. Each supervisor's tree dies with it; what is left in its group is killed."""
+    for pid in running:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in running:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    if _CGROUP_PARENTS is not None:
+        isolation.remove_submission_groups(_CGROUP_PARENTS, server=os.getpid())
 
 
 def serve() -> None:
@@ -508,6 +534,7 @@ def serve() -> None:
         if ready:
             chunk = os.read(0, 65536)
             if not chunk:
+                _stop_every_job(running)
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
