@@ -35,6 +35,7 @@ from tests.fixtures.attacks import EXERCISE, STUDENTS, SUBMISSIONS, UNCONTAINED,
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(600),
     # Without root the grader degrades by design (no namespaces, the grader's own uid) and says so;
     # these attacks then succeed. tests/test_autograde_sandbox.py covers that mode.

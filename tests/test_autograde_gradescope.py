@@ -83,6 +83,7 @@ def by_exercise(results: dict, exercise_id: str) -> list[dict]:
     return [test for test in results["tests"] if test["name"].startswith(f"{exercise_id}: ")]
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_reference_answers_score_full_marks(autograder_zip, tmp_path):
     results, stdout, root = run_autograder(autograder_zip, tmp_path, {
         "sdpa.ipynb": learner_notebook("sdpa"),  # the release, answered with the reference
@@ -103,6 +104,7 @@ def test_reference_answers_score_full_marks(autograder_zip, tmp_path):
         assert stat.S_IMODE((root / folder).stat().st_mode) == 0o700
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_released_notebooks_score_zero_and_hidden_tests_say_only_failed(autograder_zip, tmp_path):
     results, _, _ = run_autograder(autograder_zip, tmp_path, {
         f"{e}.ipynb": (ROOT / "exercises" / ASSIGNMENT / f"{e}.ipynb").read_bytes() for e in EXERCISE_IDS})
@@ -115,6 +117,7 @@ def test_released_notebooks_score_zero_and_hidden_tests_say_only_failed(autograd
     assert {test["output"] for test in hidden} == {"hidden test failed"}
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_renamed_malformed_and_stray_notebooks(autograder_zip, tmp_path):
     results, _, _ = run_autograder(autograder_zip, tmp_path, {
         "Downloads/sdpa (1).ipynb": learner_notebook("sdpa"),
@@ -131,6 +134,7 @@ def test_renamed_malformed_and_stray_notebooks(autograder_zip, tmp_path):
     assert "scratch.ipynb was not graded" in results["output"]
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_missing_notebooks_and_links_score_zero_with_the_reason(autograder_zip, tmp_path):
     solution = tmp_path / "autograder" / "source" / "solutions" / ASSIGNMENT / "sdpa.ipynb"
     results, _, _ = run_autograder(autograder_zip, tmp_path, {"sdpa.ipynb": solution})
@@ -142,6 +146,7 @@ def test_missing_notebooks_and_links_score_zero_with_the_reason(autograder_zip, 
     assert "sdpa.ipynb is a link, not a file: not graded" in results["output"]
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_zip_holds_the_scripts_the_course_and_the_seed(autograder_zip, tmp_path):
     with zipfile.ZipFile(autograder_zip) as archive:
         modes = {info.filename: info.external_attr >> 16 for info in archive.infolist()}
@@ -169,12 +174,14 @@ def installed_by_setup(autograder_zip: Path) -> list[str]:
     return [torch] + [line for line in requirements if line and not line.startswith("#")]
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_setup_installs_the_course_requirement_ranges(autograder_zip):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert sorted(installed_by_setup(autograder_zip)) == \
         sorted(project["dependencies"] + project["optional-dependencies"]["grade"])
 
 
+@pytest.mark.slow  # builds and runs the autograder
 def test_setup_installs_every_package_the_grader_imports(autograder_zip):
     installed = {re.match(r"[\w-]+", requirement).group(0) for requirement in installed_by_setup(autograder_zip)}
     installed.add("traitlets")  # with nbformat and nbgrader

@@ -23,7 +23,7 @@ from autograde.submission import extract
 from tests.fixtures.implementations import FULL_MATRIX_FORWARD
 from tests.fixtures.notebooks import answer, learner_notebook
 
-pytestmark = [pytest.mark.timeout(600),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(isolation.status_kib("self", "VmHWM") is None, reason="needs Linux's /proc")]
 
 MEASURED = "test_whole_scores_measured_from_outside"

@@ -15,7 +15,7 @@ from autograde import registry as exercises
 from tests.conftest import NBGRADER_STUDENTS
 from tests.fixtures.notebooks import ROOT, SEED
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def nbgrader_environment() -> dict[str, str]:

@@ -14,7 +14,7 @@ import pytest
 from autograde.grading import journal
 from tests.fixtures.notebooks import ROOT, SEED, answer, learner_notebook, write
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SDPA = "scaled_dot_product_attention"
 SLOW = "import time\ntime.sleep(2)\n"

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures.notebooks import ROOT, SEED, answer, learner_notebook, write
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SDPA = "scaled_dot_product_attention"
 # Slow enough that the runs overlap for the whole of their grading.
