@@ -33,16 +33,19 @@ TAG = "graded-answer"
 
 REQUIRED = sorted({name for exercise in registry.EXERCISES.values() for name in exercise.required})
 # The chapters' own versions of the graded mechanisms, under names of their own (the contract's
-# names are in REQUIRED). Each is defined only in cells tagged graded-answer.
+# names are in REQUIRED), and the chapters' code one step away from one (a mistake that differs from
+# the graded step by a line, a gather that any attention turns into paged attention). Each is
+# defined only in cells tagged graded-answer.
 CHAPTER_ANSWERS = {
     "attention-as-soft-lookup": ["attention"],
     "multi-head-attention": ["mha_per_head", "mha_packed", "mha_with"],
     "worked-example": ["multi_head_attention"],
     "pytorch-multiheadattention": ["input_projections", "multihead_attention_from", "MSA_fixed"],
-    "positions": ["rotate", "rotary_attention_layer", "shifted_layer"],
+    "positions": ["rotate", "rope_tables", "rotate_half", "rotate_with_tables", "rotary_attention_layer",
+                  "shifted_layer"],
     "mqa-gqa": ["multi_query_attention", "FixedGroupQueryAttention", "repeat_kv_expand"],
     "kv-cache": ["decode_step", "decode_step_preallocated"],
-    "rope-kv-cache": ["rotate", "decode_step", "decode_step_rotate_on_read"],
+    "rope-kv-cache": ["rotate", "decode_step", "decode_step_rotating_again", "decode_step_rotate_on_read"],
     "mla": ["rotate", "new_token_projections", "attend_explicit", "mla_step", "cache_numbers_per_token",
             "attend_absorbed", "mla_step_merged"],
     "online-softmax": ["online_softmax_blocks", "online_softmax_masked"],
@@ -51,7 +54,8 @@ CHAPTER_ANSWERS = {
     "flash-backward": ["AttentionSavingP"],
     "triton-kernel": ["flash_forward_kernel", "flash_forward_two_phase"],
     "split-kv": ["chunk_state", "merge_states", "decode_split", "merge_all"],
-    "paged-kv-cache": ["paged_append", "read_paged", "contiguous_attention", "read_paged_streaming"],
+    "paged-kv-cache": ["paged_append", "contiguous_view", "read_paged", "contiguous_attention",
+                       "read_paged_streaming"],
     "decode-kernel": ["decode_partial_kernel", "decode_merge_kernel", "flash_decode", "reference_decode",
                       "paged_partial_kernel"],
     "attention-variants": ["full_attention"],
