@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import csv
+import importlib.metadata
+import shutil
+from pathlib import Path
 
 import pytest
 
+from autograde import course
 from autograde.frontends import cli
 from autograde.grading import report
 from tests.conftest import CLASS_EXPECTED
-from tests.fixtures.notebooks import SEED
+from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -123,3 +127,64 @@ def test_a_notebook_named_after_no_exercise_is_refused(tmp_path, capsys):
     notebook.write_text("{}")
     assert cli.main(["grade", str(notebook)]) == 2
     assert "no exercise 'homework'" in capsys.readouterr().err
+
+
+
+@pytest.fixture
+def submitted(tmp_path: Path) -> Path:
+    folder = tmp_path / "submitted" / "ada" / "attention"
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / "solutions" / "attention" / "sdpa.ipynb", folder / "sdpa.ipynb")
+    return tmp_path / "submitted"
+
+
+def test_an_unknown_assignment_gets_one_line_naming_the_known_ones(submitted: Path, monkeypatch, capsys):
+    monkeypatch.chdir(submitted.parent)
+    assert cli.main(["grade", "submitted", "--out", "out", "--assignment", "attenton"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "no assignment attenton; the assignments are attention, gqa, positions, latent, flash, decoding"]
+    assert not (submitted.parent / "out").exists()  # no journal, no half-made folder
+
+
+@pytest.mark.parametrize("deeper, hint", [
+    ("ada", "it looks like one student's folder: give the class's folder (submitted?)"),
+    ("ada/attention", "it holds notebooks itself, as one student's assignment folder does: grade one with "
+                      "`grade submitted/ada/attention/sdpa.ipynb`, or give the class's folder (submitted?)")])
+def test_a_folder_one_level_too_deep_is_an_error_with_a_hint(submitted: Path, deeper: str, hint: str,
+                                                             monkeypatch, capsys):
+    monkeypatch.chdir(submitted.parent)
+    assert cli.main(["grade", f"submitted/{deeper}", "--out", "out"]) == 2
+    assert capsys.readouterr().err.strip() == (f"submitted/{deeper} holds no notebook as "
+                                               f"<student>/<assignment>/<exercise>.ipynb: {hint}")
+    assert not (submitted.parent / "out").exists()
+
+
+def test_grade_help_lists_the_outputs_with_an_example(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["grade", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    for output in ("grades.csv", "results.csv", "canvas.csv", "moodle.csv", "report.html", "feedback/<student>.md"):
+        assert output in out, output
+    assert "example:\n  python -m autograde grade submitted/ --out grades/" in out
+    assert "attention, gqa, positions" in out  # --assignment names the assignments
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"python -m autograde {importlib.metadata.version('mha-derived')}"
+
+
+def test_release_in_a_class_copy_helps_and_refuses_with_the_reason(tmp_path: Path, monkeypatch, capsys):
+    shutil.copytree(ROOT / "exercises", tmp_path / "exercises")  # a class's copy of the course: no solutions/
+    monkeypatch.setenv(course.VARIABLE, str(tmp_path))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["release", "--help"])
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m autograde release")
+    assert cli.main(["release"]) == 2
+    assert "without their solutions" in capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before  # the released exercises are left as they were
