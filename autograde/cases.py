@@ -72,10 +72,13 @@ class Inputs:
         )
 
     def describe(self) -> str:
-        """The inputs in one line; parameter tensors (`*weight`, `*bias`) are left to the note."""
+        """The inputs in one line; parameter tensors (`*weight`, `*bias`) are left to the note, and
+        lists of names (which of its results a test reads, e.g. `["", "_neg"]`) are the test's own."""
         parts = []
         for key, value in self.values.items():
             if isinstance(value, torch.Tensor) and key.endswith(("weight", "bias")):
+                continue
+            if isinstance(value, (list, tuple)) and value and all(isinstance(item, str) for item in value):
                 continue
             if isinstance(value, torch.Tensor):
                 dtype = str(value.dtype).removeprefix("torch.")

@@ -12,6 +12,7 @@ from autograde.cases import TOLERANCE
 from autograde.sandbox.observe import OtherValue, TensorValue
 
 NOT_RUN = "not run: "
+FLOAT32_HINT = "computed in float32? the contract asks float64 for float64 inputs"
 
 
 def total(points) -> float:
@@ -76,14 +77,20 @@ def compare_floats(key: str, expected: np.ndarray, got: np.ndarray, tolerance: f
     same = (got == expected) | np.isnan(got)
     with np.errstate(invalid="ignore"):
         error = np.where(same, 0.0, np.abs(got - expected))
-    error = np.nan_to_num(error, nan=np.inf)
+    error = np.nan_to_num(error, nan=np.inf, posinf=np.inf)  # an infinite error is `inf`, not 1.8e+308
     finite = np.abs(expected[np.isfinite(expected)])
-    allowed = tolerance * max(1.0, float(finite.max()) if finite.size else 1.0)
+    scale = max(1.0, float(finite.max()) if finite.size else 1.0)
+    allowed = tolerance * scale
     if error.size and error.max() > allowed:
         worst = int(np.argmax(error))
+        # Within float32's tolerance but not float64's: the values agree to the digits float32
+        # holds, so they are printed with more, and the likely cause is named.
+        single = tolerance < TOLERANCE["torch.float32"] and error.max() <= TOLERANCE["torch.float32"] * scale
+        digits = ".12g" if single else ".6g"
         problems.append(
             f"`{key}`: max abs error {error.ravel()[worst]:.3g} at index {index_text(worst, expected.shape)} "
-            f"(expected {expected.ravel()[worst]:.6g}, got {got.ravel()[worst]:.6g}); tolerance {allowed:.3g}")
+            f"(expected {expected.ravel()[worst]:{digits}}, got {got.ravel()[worst]:{digits}}); "
+            f"tolerance {allowed:.3g}" + (f"; {FLOAT32_HINT}" if single else ""))
     return problems
 
 

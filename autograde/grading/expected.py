@@ -19,8 +19,10 @@ from typing import Any
 from autograde import course
 from autograde.cases import Exercise
 from autograde.grading import reference as solutions
-from autograde.grading.proxies import LocalSubmission, Reference, _Proxy, released_fingerprint
+from autograde.grading.compare import NOT_RUN
+from autograde.grading.proxies import LearnerFailed, LocalSubmission, Reference, _Proxy, released_fingerprint
 from autograde.sandbox import wire
+from autograde.sandbox.observe import Failure
 
 INDEX = "index.json"
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so that the same solutions give the same file
@@ -85,9 +87,10 @@ class Released(_Proxy):
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         key = released_fingerprint(name, args, kwargs)
-        if key not in self._results:
-            raise RuntimeError(f"no expected value was released for this call of {name}: hidden tests, and inputs "
-                               "other than the visible tests', need the course's solutions")
+        if key not in self._results:  # the test cannot run here: not run, rather than failed
+            raise LearnerFailed(Failure("not run", "", f"{NOT_RUN}no expected value was released for this call of "
+                                        f"{name}: hidden tests, and inputs other than the visible tests', need the "
+                                        "course's solutions (the instructor's copy)"))
         return self._results[key]
 
 

@@ -26,8 +26,13 @@ def points(value: float) -> str:
     return f"{value:g}"
 
 
+def counted(value: float) -> str:
+    """`1 point`, `1.5 points`."""
+    return f"{points(value)} point{'' if value == 1 else 's'}"
+
+
 def case_lines(result: CaseResult, details: bool) -> list[str]:
-    mark = "PASS" if result.passed else "FAIL"
+    mark = "PASS" if result.passed else "FAIL" if result.ran else "NOT RUN"  # why: on the next lines
     name = result.name + ("" if result.visible else " (hidden)")
     lines = [f"{mark}  {name:<34} {points(result.earned):>4}/{points(result.points):<4} {result.about}"]
     if details and not result.passed:
@@ -47,9 +52,9 @@ def check_text(exercise_id: str, results: list[CaseResult], violations: list[Vio
     if violations:
         lines += [f"NOT ALLOWED: {violation.describe()}" for violation in violations]
         lines.append(f'check("{exercise_id}"): the grader gives this exercise 0 points, whatever the tests '
-                     f"(they would give {points(earned)} of {points(possible)} visible points)")
+                     f"(they would give {points(earned)} of {counted(possible)} from the visible tests)")
     else:
-        lines.append(f'check("{exercise_id}"): {points(earned)} of {points(possible)} points from the visible tests'
+        lines.append(f'check("{exercise_id}"): {points(earned)} of {counted(possible)} from the visible tests'
                      + (f" (hidden tests add {points(hidden_points)} more at grading)" if hidden_points else ""))
     return "\n".join(lines)
 
@@ -58,7 +63,7 @@ def grade_text(grade: Grade, seed: int | None) -> str:
     """A report on one graded notebook, every test in detail (for the instructor's terminal)."""
     exercise = grade.exercise
     lines = [f"{exercise.id} ({exercise.notebook}, {exercise.title}): "
-             f"{points(grade.score)} / {points(grade.max_score)} points, "
+             f"{points(grade.score)} / {counted(grade.max_score)}, "
              f"status {grade.status}"] + ([f"hidden tests drawn with seed {seed}"] if seed is not None else [])
     if grade.reason:
         lines.append(f"reason: {grade.reason}")
@@ -180,7 +185,7 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
     """Visible tests in detail; hidden tests by name and result only."""
     earned, possible = total(g.score for g in grades), total(g.max_score for g in grades)
     lines = [f"# Feedback for {student}", "",
-             f"Total: {points(earned)} / {points(possible)} points. "
+             f"Total: {points(earned)} / {counted(possible)}. "
              "The hidden tests drew their inputs from the instructor's secret seed.", ""]
     for grade in grades:
         exercise = grade.exercise

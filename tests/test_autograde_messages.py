@@ -1,0 +1,66 @@
+"""What a learner reads when a test fails: messages that name the likely cause, in the course's words."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from autograde.cases import Inputs
+from autograde.grading.compare import FLOAT32_HINT, NOT_RUN, CaseResult, compare_floats, compare_tensor
+from autograde.grading.report import case_lines, check_text, counted
+from autograde.sandbox.observe import TensorValue
+
+
+def tensor(array: np.ndarray) -> TensorValue:
+    return TensorValue(tuple(array.shape), f"torch.{array.dtype}", "cpu", array)
+
+
+def test_a_float64_result_computed_in_float32_is_named_and_printed_with_digits_that_differ():
+    want = np.random.default_rng(0).standard_normal((3, 4))
+    got = want.astype(np.float32).astype(np.float64)  # float64 on the outside, float32 inside
+    [problem] = compare_floats("out", want, got, 1e-10)
+    assert problem.endswith(FLOAT32_HINT), problem
+    printed = problem.split("(expected ")[1].split(")")[0]
+    expected_value, got_value = printed.split(", got ")
+    assert expected_value != got_value  # not the same six digits twice
+
+    problems = compare_tensor("out", tensor(want), tensor(want.astype(np.float32)), "torch.float64", "cpu")
+    assert problems[0] == ("`out`: expected dtype torch.float64 (the dtype of the first tensor argument), "
+                           "got torch.float32")
+    assert problems[1].endswith(FLOAT32_HINT)
+
+
+def test_a_wrong_value_beyond_float32_precision_gets_no_float32_hint():
+    want = np.linspace(0, 1, 6)
+    [problem] = compare_floats("out", want, want + 1e-3, 1e-10)
+    assert FLOAT32_HINT not in problem and "(expected 0.2, got 0.201)" in problem
+    [problem] = compare_floats("out", want, want + 1e-3, 1e-5)  # a float32 result: its own tolerance, no hint
+    assert FLOAT32_HINT not in problem
+
+
+def test_infinities_print_as_inf():
+    [problem] = compare_floats("lse", np.array([0.5, np.inf]), np.array([0.5, 3.0]), 1e-10)
+    assert problem == "`lse`: max abs error inf at index (1,) (expected inf, got 3); tolerance 1e-10"
+    [problem] = compare_floats("lse", np.array([0.5, -np.inf]), np.array([0.5, np.inf]), 1e-10)
+    assert "max abs error inf" in problem and "e+308" not in problem
+
+
+def test_the_inputs_line_leaves_out_which_results_a_test_reads():
+    inputs = Inputs({"out_a": torch.zeros(2, 3, dtype=torch.float64), "lse_a": torch.zeros(2), "tags": ["", "_neg"],
+                     "causal": True}, "finite lses")
+    assert inputs.describe() == "out_a (2, 3) float64, lse_a (2,) float32, causal=True; finite lses"
+
+
+def test_one_point_is_singular():
+    assert (counted(1), counted(1.5), counted(0), counted(10)) == ("1 point", "1.5 points", "0 points", "10 points")
+    result = CaseResult("causal-mask", 1, True, "the mask", "L=3")
+    assert check_text("sdpa", [result], [], 0).endswith('check("sdpa"): 1 of 1 point from the visible tests')
+
+
+def test_a_test_that_could_not_run_is_not_called_failed():
+    result = CaseResult("random-shapes", 2, False, "random shapes", "",
+                        (f"{NOT_RUN}no expected value was released for this call of attend: hidden tests need the "
+                         "course's solutions",))
+    first, *details = case_lines(result, details=True)
+    assert first.startswith("NOT RUN  random-shapes (hidden)") and "FAIL" not in first
+    assert details[-1].strip().startswith("not run: no expected value was released")
