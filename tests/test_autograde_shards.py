@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from autograde.frontends import cli
-from autograde.grading import provenance
+from autograde.grading import class_report, provenance
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
 
@@ -40,7 +40,7 @@ def sharded(class_grades, tmp_path_factory) -> Path:
     """The class of `class_grades`, graded by the Slurm recipe as SHARDS array tasks, then merged."""
     out = tmp_path_factory.mktemp("sharded")
     environment = {**os.environ, "AUTOGRADE_SEED": str(SEED), "PYTHON": sys.executable,
-                   "SLURM_ARRAY_TASK_COUNT": str(SHARDS), "SLURM_CPUS_PER_TASK": "2"}
+                   "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": str(SHARDS), "SLURM_CPUS_PER_TASK": "2"}
     for shard in range(1, SHARDS + 1):
         task = subprocess.run(["bash", str(DEPLOY / "slurm-array.sh"), str(class_grades.submitted), str(out)],
                               env={**environment, "SLURM_ARRAY_TASK_ID": str(shard)}, cwd=ROOT,
@@ -50,6 +50,13 @@ def sharded(class_grades, tmp_path_factory) -> Path:
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
     return out
+
+
+def without_timings(report: Path) -> str:
+    """The class report but its slowest notebooks, which show the times measured in each run."""
+    before, heading, after = report.read_text().partition(class_report.SLOWEST_HEADING)
+    assert heading and after.count("<table>") == 1, "the slowest notebooks' section is the report's last"
+    return before + after[after.index("</table>"):]
 
 
 def test_shards_split_the_class_by_a_stable_hash_that_keeps_a_students_folders_together():
@@ -67,6 +74,9 @@ def test_the_shards_merged_give_the_grades_of_one_run_byte_for_byte(class_grades
     assert (merged / "grades.csv").read_bytes() == (class_grades.out / "grades.csv").read_bytes()
     comparison = filecmp.dircmp(merged / "feedback", class_grades.out / "feedback")
     assert not comparison.left_only and not comparison.right_only and not comparison.diff_files
+    for name in ("results.csv", "canvas.csv", "moodle.csv"):
+        assert (merged / name).read_bytes() == (class_grades.out / name).read_bytes(), name
+    assert without_timings(merged / "report.html") == without_timings(class_grades.out / "report.html")
     graded = [{r["student"] for r in csv.DictReader((sharded / f"shard-{k}" / "grades.csv").open())}
               for k in range(1, SHARDS + 1)]
     assert sum(map(len, graded)) == len(CLASS_EXPECTED) and set().union(*graded) == set(CLASS_EXPECTED)
@@ -93,6 +103,18 @@ def test_the_merge_refuses_shards_that_do_not_add_up_to_one_class(sharded, tmp_p
     for expected, process in refused.items():
         assert process.returncode == 2 and expected in process.stderr, (expected, process.stderr)
     assert not any((tmp_path / name / "grades.csv").exists() for name in "abcd")
+
+
+def test_grading_some_shards_again_needs_their_number(tmp_path):
+    """`sbatch --array=3` alone would cut the class in 3: the recipe asks for SHARDS instead."""
+    environment = {**os.environ, "AUTOGRADE_SEED": str(SEED), "PYTHON": "false", "SLURM_ARRAY_TASK_ID": "3",
+                   "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "3"}
+    task = subprocess.run(["bash", str(DEPLOY / "slurm-array.sh"), str(tmp_path), str(tmp_path)], env=environment,
+                          capture_output=True, text=True, timeout=30)
+    assert task.returncode == 2 and "set SHARDS" in task.stderr, task.stderr
+    shown = subprocess.run(["bash", "-x", str(DEPLOY / "slurm-array.sh"), str(tmp_path), str(tmp_path)],
+                           env={**environment, "SHARDS": "8"}, capture_output=True, text=True, timeout=30)
+    assert "--shard 3/8" in shown.stderr, shown.stderr  # PYTHON=false: the command shown, nothing graded
 
 
 def test_a_shard_needs_the_classs_seed(class_grades, tmp_path):

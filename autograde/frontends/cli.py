@@ -58,13 +58,10 @@ def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None
 
 def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: sandbox.Limits,
                assignments: list[str] | None, resume: bool = False, shard: tuple[int, int] = (1, 1)) -> int:
+    batch.stop_on_signals()  # Ctrl-C, SIGTERM, SIGHUP: what is recorded stays recorded, nothing else is
+    record = None
     try:
         record = journal.Journal(out, seed, resume)
-    except journal.JournalError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    batch.stop_on_signals()  # Ctrl-C, SIGTERM, SIGHUP: what is recorded stays recorded, nothing else is
-    try:
         rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard)
         students = list(dict.fromkeys(student for student, _ in rows))
         write_outputs(out, rows, record.seed, students)
@@ -72,11 +69,12 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
         print(exc, file=sys.stderr)
         return 2
     except batch.Interrupted as exc:
-        print(f"interrupted by {exc}: {len(record.done())} notebooks are recorded in {out / journal.FILE}; "
-              f"grade the rest with --resume", file=sys.stderr)
+        print(f"interrupted by {exc}: {len(record.done()) if record else 0} notebooks are recorded in "
+              f"{out / journal.FILE}; grade the rest with --resume", file=sys.stderr)
         return 128 + exc.signum  # as a shell reports a command a signal ended
     finally:
-        record.close()
+        if record is not None:
+            record.close()
     isolation = sorted({g.isolation for _, g in rows if g.isolation})
     part = "" if shard == (1, 1) else f" (shard {shard[0]}/{shard[1]}; merge the shards with `merge`)"
     print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}{part}: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -79,14 +80,33 @@ def read_run(folder: Path) -> tuple[dict[str, str], dict[tuple[str, str], tuple[
     return metadata, {(student, exercise): (notebook, from_json(text)) for student, exercise, notebook, text in rows}
 
 
+def _create(path: Path, seed: int | None) -> None:
+    """A new journal at `path` that holds the run's seed, made whole beside it and then renamed:
+    a run stopped as it starts leaves the journal of the run before it, or this one with its seed,
+    never one without a seed that a resumed run could not go on with."""
+    if seed is None:
+        raise JournalError(f"{path} holds no run to resume")
+    fresh = path.with_name(f"{path.name}.new")
+    fresh.unlink(missing_ok=True)
+    db = sqlite3.connect(fresh, isolation_level=None)
+    try:
+        db.executescript(_SCHEMA)
+        db.execute("insert into run values ('seed', ?)", (str(seed),))
+    finally:
+        db.close()
+    for left in ("-wal", "-shm"):  # the run before's, which must not be read as this one's
+        path.with_name(path.name + left).unlink(missing_ok=True)
+    os.replace(fresh, path)
+
+
 class Journal:
     """Thread-safe: grading threads record their rows as they finish."""
 
     def __init__(self, folder: Path, seed: int | None, resume: bool):
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / FILE
-        if not resume:
-            path.unlink(missing_ok=True)
+        if not resume or not path.exists():
+            _create(path, seed)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("pragma journal_mode = wal")
