@@ -30,7 +30,14 @@ from autograde.grading import grade, reference
 from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
-from tests.fixtures.implementations import FULL_MATRIX_FORWARD, Variant, variant_id
+from tests.fixtures.implementations import (
+    FULL_MATRIX_FORWARD,
+    LSE_IN_128_ROW_BLOCKS,
+    PADDED_INPUTS_COPIED,
+    PADDED_INPUTS_SLICED,
+    Variant,
+    variant_id,
+)
 from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, run_cells, sent_inputs, write
 
 pytestmark = pytest.mark.timeout(120)
@@ -336,6 +343,40 @@ def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant
         assert (seed, failed(results)) == (seed, set())
 
 
+# Kernels whose results are views, slices or copies of part of what a launch stored, as the contract allows.
+PART_OF_WHAT_A_LAUNCH_STORED = [
+    Variant("lse-in-a-buffer-of-128-row-blocks", "flash_triton", LSE_IN_128_ROW_BLOCKS),
+    Variant("padded-inputs-sliced-outputs", "flash_triton", PADDED_INPUTS_SLICED),
+    Variant("padded-inputs-copied-outputs", "flash_triton", PADDED_INPUTS_COPIED),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("variant", PART_OF_WHAT_A_LAUNCH_STORED, ids=variant_id)
+def test_a_kernel_returning_part_of_what_it_stored_keeps_full_marks_on_every_seed(variant):
+    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
+        assert (seed, failed(results)) == (seed, set())
+        assert sum(result.points for result in results.values()) == pytest.approx(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kernels_returning_part_of_what_they_stored_keep_full_marks_through_the_sandbox(tmp_path: Path):
+    """Graded as a class is, beside the copy of a PyTorch result through a kernel, which loses."""
+    exercise = exercises.get("flash_triton")
+    answers = {variant.name: variant.answers for variant in PART_OF_WHAT_A_LAUNCH_STORED}
+    answers["copied-by-a-kernel"] = {"flash_attention_triton": COPIED_BY_A_KERNEL}
+    grades = {name: grade.grade_notebook(write(learner_notebook("flash_triton", answer), tmp_path / name / "flash"
+                                               / "flash_triton.ipynb"), exercise, SEED)
+              for name, answer in answers.items()}
+    copied = grades.pop("copied-by-a-kernel")
+    for name, graded in grades.items():
+        assert (name, graded.status, graded.score) == (name, grade.GRADED, pytest.approx(10)), graded.reason
+    assert copied.status == grade.GRADED and copied.score < 1, copied.reason
+    assert "Triton rule broken: outside its kernels" in " ".join(p for r in copied.results for p in r.problems)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("exercise_id", ["flash_forward", "flash_backward", "flash_triton"])
 def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
@@ -511,6 +552,23 @@ def test_a_launch_records_the_values_it_stored_in_any_layout():
     assert launches.wrote(out) and launches.wrote(lse)
     assert launches.wrote(out.transpose(-2, -1).contiguous())
     assert not launches.wrote(out + 1)
+
+
+def test_a_launch_records_what_it_stored_in_a_buffer_larger_than_the_result():
+    """A slice, a view or a copy of part of what a launch stored holds its values; values it did not
+    store, or a value stored once taken twice, do not."""
+    q, k, v = random_qkv(1, 2, 45, 70, 16, dtype=torch.float32)
+    with rules.TritonLaunches() as launches:
+        out, lse = run_cells(learner_notebook("flash_triton", LSE_IN_128_ROW_BLOCKS))["flash_attention_triton"](q, k, v)
+    stored = next(tensor for tensor in launches.written if tensor.shape == (2, 128))
+    assert lse.shape == (1, 2, 45) and launches.wrote(lse) and launches.wrote(lse[:, 1, 3:9].contiguous())
+    assert launches.wrote(out[..., :5, :].clone()) and launches.wrote(stored)
+    assert not launches.wrote(lse + 1)
+    assert not launches.wrote(torch.cat([lse.flatten(), lse.flatten()[:1]]))  # one stored value, twice
+    zeros, nans = torch.zeros(3), torch.full((2,), float("nan"))
+    with rules.TritonLaunches() as launches:
+        launches.written.append(torch.tensor([-0.0, 0.0, 1.0, float("nan"), 0.0]))
+    assert launches.wrote(zeros) and launches.wrote(nans[:1]) and not launches.wrote(nans)
 
 
 def test_a_triton_launch_that_raises_is_not_counted():
