@@ -280,7 +280,9 @@ def test_unseeded_randomness_gets_the_same_grade_in_two_runs(attacked):
 
 
 def test_edits_to_nbgrader_cells_are_reported_beside_the_grade(attacked):
-    edited = attacked.grading.row("edits-nbgrader-metadata")["changed_from_release"]
-    assert "has its nbgrader metadata changed (points" in edited
-    honest = attacked.grading.row("ada")["changed_from_release"]
-    assert honest == ""
+    assert attacked.grading.row("edits-nbgrader-metadata")["changed_from_release"] == "yes"
+    assert attacked.grading.row("ada")["changed_from_release"] == ""
+    findings = list(csv.DictReader((attacked.grading.out / "integrity.csv").open()))
+    edited = [r["finding"] for r in findings if student_of(r["student"]) == "edits-nbgrader-metadata"]
+    assert any("has its nbgrader metadata changed (points" in finding for finding in edited), findings
+    assert "ada" not in {student_of(r["student"]) for r in findings}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import csv
+import dataclasses
 from pathlib import Path
 
 import nbformat
@@ -11,6 +13,10 @@ from nbgrader import utils
 
 from autograde import course
 from autograde import registry as exercises
+from autograde.grading import report
+from autograde.grading.compare import CaseResult
+from autograde.grading.grade import Grade
+from autograde.grading.session import catalogue
 from autograde.submission import integrity, notebook
 from autograde.submission.integrity import findings, released_notebook
 from tests.fixtures.notebooks import learner_notebook, write
@@ -344,3 +350,50 @@ def test_a_finding_is_cut_to_a_few_lines():
 
 def test_an_unexpected_failure_is_reported_not_raised():
     assert findings(submission(), None) == ["the notebook's nbgrader cells could not be checked (AttributeError)"]
+
+
+@pytest.mark.parametrize("exercise_id", sorted(exercises.EXERCISES))
+def test_a_copy_of_the_solution_notebook_is_recognised_as_the_source_format(exercise_id: str):
+    exercise = exercises.get(exercise_id)
+    source = nbformat.read(course.solutions() / exercise.notebook, as_version=4)
+    assert findings(source, released_notebook(exercise)) == [integrity.SOURCE_FORMAT]
+
+
+def test_a_source_format_notebook_with_an_edited_locked_cell_is_still_found_out():
+    source = nbformat.read(course.solutions() / SDPA.notebook, as_version=4)
+    cell(source, LOCKED_CELL).source += "\nimport os"
+    setup_lines = len(cell(release(), LOCKED_CELL).source.splitlines())
+    cell(source, "test-gradients").source = "pass"  # a hidden test's cell, emptied
+    cell(source, TEST_CELL).metadata.nbgrader.points = 5
+    assert found(source) == [integrity.SOURCE_FORMAT,
+                             f"locked cell `{LOCKED_CELL}` was changed (from line {setup_lines + 1})",
+                             f"test cell `{TEST_CELL}` has its nbgrader metadata changed (points 1.5 -> 5)",
+                             "test cell `test-gradients` was changed (from line 1)"]
+
+
+def test_one_stripped_checksum_is_not_the_source_format():
+    submitted = submission()
+    del cell(submitted, LOCKED_CELL).metadata.nbgrader["checksum"]
+    assert integrity.SOURCE_FORMAT not in found(submitted) and len(found(submitted)) == 1
+
+
+def graded_with_findings() -> tuple[Grade, list[str]]:
+    changed = found(nbformat.read(course.solutions() / SDPA.notebook, as_version=4)) + ["cell `x` was deleted"]
+    notes = ("the notebook defines no `causal_mask`", *(integrity.CHANGED + finding for finding in changed))
+    results = tuple(CaseResult(test.name, test.points, test.visible, test.about, "") for test in catalogue(SDPA))
+    return Grade(SDPA, "graded", "", results, notes), changed
+
+
+def test_the_learner_reads_one_sentence_and_the_instructor_every_finding(tmp_path: Path):
+    grade, changed = graded_with_findings()
+    feedback = report.feedback_markdown("ada", [grade], 12345)
+    assert feedback.count(integrity.FOR_THE_LEARNER) == 1 and "the notebook defines no `causal_mask`" in feedback
+    assert not any(finding in feedback for finding in changed) and "source format" not in feedback
+    graded = [("ada", grade), ("bo", dataclasses.replace(grade, notes=()))]
+    report.write_csv(tmp_path / "grades.csv", graded, 12345)
+    flags = [row["changed_from_release"] for row in csv.DictReader((tmp_path / "grades.csv").open())]
+    assert flags == ["yes", ""]
+    report.write_integrity_csv(tmp_path / "integrity.csv", graded)
+    rows = list(csv.DictReader((tmp_path / "integrity.csv").open()))
+    assert [(row["student"], row["exercise"], row["finding"]) for row in rows] == [("ada", "sdpa", f) for f in changed]
+    assert report.learner_notes(grade.notes) == ["the notebook defines no `causal_mask`", integrity.FOR_THE_LEARNER]

@@ -41,11 +41,12 @@ def shard_argument(text: str) -> tuple[int, int]:
 
 
 def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None:
-    """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, the class report,
-    and feedback per student in Markdown and HTML: the same for one run and for merged shards."""
+    """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, integrity.csv, the
+    class report, and feedback per student in Markdown and HTML: the same for one run and for merged shards."""
     report.write_csv(out / "grades.csv", rows, seed)
     report.write_results_csv(out / "results.csv", rows)
     report.write_gradebooks(out, rows)
+    report.write_integrity_csv(out / report.INTEGRITY_FILE, rows)  # the instructor's, beside the grades
     report.write_atomically(out / "report.html", class_report.class_report_html(rows, seed))
     feedback = out / "feedback"
     feedback.mkdir(exist_ok=True)
@@ -138,6 +139,7 @@ what it writes in --out:
                       the student's totals
   results.csv         one row per test
   canvas.csv, moodle.csv   gradebooks to import
+  integrity.csv       for you alone: how notebooks depart from the release (flagged in grades.csv)
   report.html         the class report: scores, the most failed tests, the slowest notebooks
   feedback/<student>.md, .html   each student's feedback: visible tests in detail, hidden ones by name
   journal.sqlite3     the run's record, for --resume

@@ -183,7 +183,7 @@ def summary(graded: grade.Grade, found: Found) -> list[str]:
     else:
         line = f"{exercise.id} ({exercise.title}): 0 / {report.points(graded.max_score)} points, {graded.status}: " \
                f"{reason(graded, found)}"
-    notes = ([found.note] if found.path is not None else []) + list(graded.notes)
+    notes = ([found.note] if found.path is not None else []) + report.learner_notes(graded.notes)
     if len(notes) > MAX_NOTES:
         notes = notes[:MAX_NOTES - 1] + [f"and {len(notes) - MAX_NOTES + 1} more notes"]
     return [line] + [f"  - {_clip(note)}" for note in notes]

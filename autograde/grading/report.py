@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from autograde.grading.compare import CaseResult, total
 from autograde.submission.forbidden import Violation
-from autograde.submission.integrity import CHANGED
+from autograde.submission.integrity import CHANGED, FOR_THE_LEARNER
 
 if TYPE_CHECKING:
     from autograde.grading.grade import Grade
@@ -20,6 +20,15 @@ if TYPE_CHECKING:
 CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release",
                "assignment", "assignment_score", "assignment_max_score", "total_score", "total_max_score")
 RESULT_COLUMNS = ("student", "exercise", "test", "points", "max_points", "status")
+INTEGRITY_COLUMNS = ("student", "exercise", "finding")
+INTEGRITY_FILE = "integrity.csv"  # the instructor's: what changed from the release, one finding a row
+
+
+def learner_notes(notes: tuple[str, ...] | list[str]) -> list[str]:
+    """The notes a learner reads: the findings on the release's cells, which are the instructor's
+    to weigh, as one plain sentence."""
+    kept = [note for note in notes if not note.startswith(CHANGED)]
+    return kept + [FOR_THE_LEARNER] if len(kept) < len(notes) else kept
 
 
 def points(value: float) -> str:
@@ -113,13 +122,20 @@ def write_csv(path: Path, rows: list[tuple[str, Grade]], seed: int) -> None:
     by_assignment, by_student = _totals(rows)
     lines = []
     for student, grade in rows:
-        changed = [note.removeprefix(CHANGED) for note in grade.notes if note.startswith(CHANGED)]
+        changed = "yes" if any(note.startswith(CHANGED) for note in grade.notes) else ""  # details: integrity.csv
         assignment = grade.exercise.assignment
         lines.append([spreadsheet_text(student), grade.exercise.id, points(grade.score), points(grade.max_score),
-                      grade.status, spreadsheet_text(grade.reason), seed, spreadsheet_text("; ".join(changed)),
+                      grade.status, spreadsheet_text(grade.reason), seed, changed,
                       assignment, *map(points, by_assignment[student, assignment]),
                       *map(points, by_student[student])])
     write_atomically(path, _csv_text(CSV_COLUMNS, lines))
+
+
+def write_integrity_csv(path: Path, rows: list[tuple[str, Grade]]) -> None:
+    """For the instructor alone: each notebook's departures from the release, one finding a row."""
+    lines = [[spreadsheet_text(student), grade.exercise.id, spreadsheet_text(note.removeprefix(CHANGED))]
+             for student, grade in rows for note in grade.notes if note.startswith(CHANGED)]
+    write_atomically(path, _csv_text(INTEGRITY_COLUMNS, lines))
 
 
 def result_status(grade: Grade, result: CaseResult) -> str:
@@ -193,7 +209,8 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
                   f"{exercise.title}, notebook `{exercise.notebook}`, status: {grade.status}.", ""]
         if grade.status != "graded":
             lines += [f"Reason: {grade.reason}.", ""]
-        lines += [f"- {note}" for note in grade.notes] + ([""] if grade.notes else [])
+        notes = learner_notes(grade.notes)
+        lines += [f"- {note}" for note in notes] + ([""] if notes else [])
         lines += ["| Test | Points | Result |", "|---|---|---|"]
         for result in grade.results:
             name = result.name if result.visible else f"{result.name} (hidden)"

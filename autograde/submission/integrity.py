@@ -6,6 +6,10 @@ checksums are computed here from the submitted cells, since a learner can rewrit
 ones, and the metadata is read defensively, since a submission's JSON can hold anything.
 Solution cells may change their source; locked and test cells may not, and no nbgrader cell may
 change its metadata. Cells are matched by nbgrader grade_id, else by notebook cell id.
+
+A notebook in nbgrader's source format (the instructor's, as in `solutions/`: no checksums, the
+hidden tests in place) is said to be so, once, and compared as the release would have made it.
+The findings are for the instructor; a learner is told one sentence (`FOR_THE_LEARNER`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ FIELDS = ("points", *FLAGS, "cell_type")  # the nbgrader metadata compared with 
 CELL_TYPES = ("code", "markdown", "raw")
 ABSENT = object()  # a metadata key the cell does not have
 CHANGED = "changed from the release: "  # how the grade's notes on tampered nbgrader cells start
+FOR_THE_LEARNER = ("The notebook's locked cells or nbgrader metadata differ from the notebook you were given; "
+                   "your instructor will look at it.")
+SOURCE_FORMAT = ("the notebook is in nbgrader's source format (the instructor's version, with the solutions and "
+                 "hidden tests, as in solutions/), not the released one")
+RELEASE_ADDS = ("checksum", "cell_type")  # what nbgrader's generate_assignment adds to every nbgrader cell
+HIDDEN_TESTS = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
 
 def _nbgrader():
@@ -112,20 +122,44 @@ def _findings(submitted: NotebookNode, released: NotebookNode) -> list[str]:
         else:
             strays.append(cell)
 
-    found = []
+    source_format = _in_source_format(ours, theirs.values())
+    found = [SOURCE_FORMAT] if source_format else []
     for grade_id, original in theirs.items():
         if not matched[grade_id]:
             found.append(f"{_kind(original.metadata.nbgrader)} {_code(grade_id)} was deleted")
         for cell in matched[grade_id]:
-            found += _compare(cell, original)
+            found += _compare(cell, original, source_format)
     found += [finding for cell in strays for finding in _stray(cell)]
     found += [f"{_count(len(cells))} cells share grade_id {_code(grade_id)}"
               for grade_id, cells in sharing.items() if len(cells) > 1]
     return found
 
 
-def _compare(cell: _Cell, original: NotebookNode) -> list[str]:
-    """What changed in the release's nbgrader cell `original`, submitted as `cell`."""
+def _in_source_format(ours: list[_Cell], released) -> bool:
+    """Whether no nbgrader cell of the submission has what the release gave every one of its own."""
+    graded = [cell.nbgrader for cell in ours if cell.nbgrader]
+    return bool(graded) and all("checksum" in cell.metadata.nbgrader for cell in released) and not any(
+        key in nbgrader for nbgrader in graded for key in RELEASE_ADDS)
+
+
+def _without_hidden_tests(source):
+    """The source as nbgrader's release makes it: the hidden tests' lines and their markers removed."""
+    if not isinstance(source, str):
+        return source
+    kept, hidden = [], False
+    for line in source.split("\n"):
+        if HIDDEN_TESTS[0] in line:
+            hidden = True
+        elif HIDDEN_TESTS[1] in line:
+            hidden = False
+        elif not hidden:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _compare(cell: _Cell, original: NotebookNode, source_format: bool = False) -> list[str]:
+    """What changed in the release's nbgrader cell `original`, submitted as `cell` (in nbgrader's
+    source format: without what the release adds)."""
     theirs = original.metadata.nbgrader
     name = f"{_kind(theirs)} {_code(theirs.grade_id)}"
     found, forged = [], False
@@ -135,10 +169,11 @@ def _compare(cell: _Cell, original: NotebookNode) -> list[str]:
         found.append(f"{name} has lost its nbgrader metadata")
     else:
         ours = cell.nbgrader
+        fields = [field for field in ("grade_id", *FIELDS) if not (source_format and field in RELEASE_ADDS)]
         changes = [f"{field} {_describe(theirs.get(field, ABSENT))} -> {_describe(ours.get(field, ABSENT))}"
-                   for field in ("grade_id", *FIELDS) if not _same(theirs.get(field, ABSENT), ours.get(field, ABSENT))]
+                   for field in fields if not _same(theirs.get(field, ABSENT), ours.get(field, ABSENT))]
         stored = ours.get("checksum", ABSENT)
-        if not _same(theirs.checksum, stored):
+        if not source_format and not _same(theirs.checksum, stored):
             computed = _checksum(cell)
             forged = computed is not None and stored == computed
             if not forged:
@@ -151,8 +186,9 @@ def _compare(cell: _Cell, original: NotebookNode) -> list[str]:
     if cell.cell_type != original.cell_type:
         now = cell.cell_type if cell.cell_type in CELL_TYPES else _describe(cell.cell_type)
         found.append(f"{name} was changed from {_article(original.cell_type)} cell to {_article(now)} cell")
-    if _nbgrader().is_locked(original) and cell.source != original.source:
-        found.append(f"{name} was changed{_first_difference(cell.source, original.source)}")
+    source = _without_hidden_tests(cell.source) if source_format else cell.source
+    if _nbgrader().is_locked(original) and source != original.source:
+        found.append(f"{name} was changed{_first_difference(source, original.source)}")
     if forged:  # which `nbgrader validate` would take at its word
         found.append(f"{name} has its stored nbgrader checksum rewritten to match its changes")
     return found
