@@ -11,9 +11,9 @@ JB_FLAGS := -W -n --keep-going
 EDITION ?= open
 CLASS_BUILD := _build/class
 
-.PHONY: book book-class test test-grader lint exercises benchmark clean
+.PHONY: book book-class test test-slow test-vm test-book test-all test-grader lint exercises benchmark clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" -r requirements-dev.txt
@@ -32,14 +32,31 @@ endif
 book-class:
 	$(MAKE) book EDITION=class
 
-test: book book-class lint
-	$(PY) -m pytest
+# The tiers (pytest markers in pyproject.toml; README, "Tests"). `make test` is the fast tier: the
+# open edition built strictly, ruff, and every test no marker sends elsewhere, on two processes.
+PYTEST := $(PY) -m pytest -n $(or $(TEST_PROCESSES),2) --dist loadgroup
+test: book lint
+	$(PYTEST)
+
+# Seed sweeps, whole classes through the sandbox, attacks, nbgrader on every notebook, Slurm.
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
+
+# The cgroup v2 tests in a virtual machine (needs root; QEMU and a Debian kernel installed with apt).
+test-vm: $(STAMP)
+	$(PY) -m pytest -m vm
+
+# The class edition, built strictly, and what is checked on its site.
+test-book: book-class
+	$(PYTEST) -m book
+
+test-all: test test-slow test-book test-vm
 
 # The grader's tests alone, without building the book: the exercises' tests on the solutions,
-# then the repository's tests of the grader and the exercises.
+# then the repository's tests of the grader and the exercises, every tier but the VM's.
 test-grader: lint
 	$(PY) -m pytest autograde/tests --seed 12345 -q
-	$(PY) -m pytest tests --ignore=tests/test_site.py --ignore=tests/test_course_layout.py
+	$(PYTEST) -m "not vm and not book" --ignore=tests/test_site.py --ignore=tests/test_course_layout.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check autograde tests benchmarks tools

@@ -22,11 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autograde import registry as exercises
-from autograde.frontends import check as self_check
 from autograde.grading import batch, reference
-from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
-from autograde.submission import extract
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
@@ -34,8 +31,10 @@ from tests.fixtures.notebooks import (
     answer,
     failed,
     grade_in_process,
+    graded_on_seed,
     learner_notebook,
     lost,
+    on_every_seed,
     sent_inputs,
 )
 
@@ -46,7 +45,6 @@ KV = reference.namespace(exercises.get("kv_cache"))
 STEP = "gqa_decode_step"
 GQA_TESTS = exercises.module(exercises.get("gqa"))
 KV_TESTS = exercises.module(exercises.get("kv_cache"))
-SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
 
 
 # End to end: the instructor's grader, in its sandboxed worker.
@@ -257,47 +255,35 @@ def gqa_decode_step(module, x_new, cache=None):
 
 
 
-def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
-    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
-    of SEEDS: the results by seed, then by test."""
-    exercise = exercises.get(exercise_id)
-    namespace = {"__name__": "__main__"}
-    for cell in extract.code_cells(learner_notebook(exercise_id, answers)):
-        exec(compile(cell.source, f"<cell {cell.number}>", "exec"), namespace)
-    graded = {}
-    for seed in SEEDS:
-        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
-        assert not violations
-        graded[seed] = {result.name: result for result in results}
-    return graded
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
-def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant):
+@on_every_seed()
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
     assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
     names = {test.name for test in catalogue(exercises.get(variant.exercise))}
     assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        visible, hidden = lost(results)
-        assert (seed, visible) == (seed, variant.visible_failures)
-        assert (seed, hidden) == (seed, variant.hidden_failures)
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    visible, hidden = lost(results)
+    assert (seed, visible) == (seed, variant.visible_failures)
+    assert (seed, hidden) == (seed, variant.hidden_failures)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant):
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        assert (seed, failed(results)) == (seed, set())
+@on_every_seed()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant, seed):
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    assert (seed, failed(results)) == (seed, set())
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("exercise_id", ["gqa", "kv_cache"])
-def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
+@on_every_seed()
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id, seed):
     assert max_score(exercises.get(exercise_id)) == 10
-    for seed, results in graded_on_seeds(exercise_id).items():
-        assert (seed, failed(results)) == (seed, set())
-        assert sum(result.points for result in results.values()) == 10
+    results = graded_on_seed(exercise_id, None, seed)
+    assert (seed, failed(results)) == (seed, set())
+    assert sum(result.points for result in results.values()) == 10
 
 
 def test_torch_attention_with_enable_gqa_is_not_allowed():
@@ -335,14 +321,15 @@ def test_feedback_says_precisely_what_is_wrong(name, case, message):
 
 
 @pytest.mark.timeout(300)
-def test_a_byte_count_returned_as_a_float_is_told_to_be_an_int_in_every_test():
+@on_every_seed()
+def test_a_byte_count_returned_as_a_float_is_told_to_be_an_int_in_every_test(seed):
     """Every value kv_cache_bytes returns as a float, visible or hidden, is reported as "expected an int"."""
     variant = next(v for v in WRONG if v.name == "cache-bytes-as-float")
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        for name in variant.visible_failures | variant.hidden_failures:
-            problems = results[name].problems
-            assert problems and all(re.fullmatch(r"`kv_cache_bytes\(.*\)`: expected an int, (\d+); got the float \1\.0",
-                                                 problem) for problem in problems), (seed, problems)
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    for name in variant.visible_failures | variant.hidden_failures:
+        problems = results[name].problems
+        assert problems and all(re.fullmatch(r"`kv_cache_bytes\(.*\)`: expected an int, (\d+); got the float \1\.0",
+                                             problem) for problem in problems), (seed, problems)
 
 
 def test_the_step_is_given_only_the_attributes_of_the_contract():
@@ -514,58 +501,58 @@ def test_reference_step_after_a_given_cache_uses_the_bottom_right_mask():
 
 
 @pytest.mark.timeout(300)
-def test_the_hidden_inputs_of_gqa_are_what_their_case_names_say():
+@on_every_seed(tuple(range(10)))
+def test_the_hidden_inputs_of_gqa_are_what_their_case_names_say(seed):
     layouts = {"MHA": lambda heads, kv_heads: kv_heads == heads > 1,
                "MQA": lambda heads, kv_heads: kv_heads == 1 < heads,
                "GQA": lambda heads, kv_heads: 1 < kv_heads < heads and heads % kv_heads == 0}
-    for seed in range(10):
-        sent = sent_inputs("gqa", seed)
-        for case, (layout, bias, mask) in ATTENTION.items():
-            for inputs in sent[f"attention-random[{case}]"]:
-                B, T, _ = inputs["x"].shape
-                assert layouts[kind(layout)](inputs["num_heads"], inputs["num_kv_heads"])
-                assert inputs["bias"] == GQA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
-                shapes = {"no mask": None, "mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T),
-                          "mask (B, H, T, T)": (B, inputs["num_heads"], T, T)}
-                assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
-                assert B > 1 and T > 1  # (B, 1, T, T) is not (T, T), and no mask is not a causal one
-            assert [inputs["x"].dtype for inputs in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
-        for case, (layout, bias) in CONVERSION.items():
-            for inputs in sent[f"mha-to-gqa-random[{case}]"]:
-                assert layouts[kind(layout)](inputs["num_heads"], *inputs["num_kv_heads"])
-                assert ("k_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
-        for case in GQA_TESTS.REPEATS:
-            (inputs,) = sent[f"repeat-kv-random[{case}]"]
-            assert {n_rep for _, n_rep in inputs["calls"]} <= ({1} if case == "n_rep 1" else {2, 3, 4})
-            assert inputs["x"].shape[1] > 1 and inputs["one_head"].shape[1] == 1
-        for case in GQA_TESTS.ELEMENT_SIZES:
-            (inputs,) = sent[f"kv-cache-bytes-random[{case}]"]
-            given = [size for _, size in inputs["calls"]]
-            assert given == ([None] * 3 if case == "bytes_per_element by default" else [1, 2, 4])
+    sent = sent_inputs("gqa", seed)
+    for case, (layout, bias, mask) in ATTENTION.items():
+        for inputs in sent[f"attention-random[{case}]"]:
+            B, T, _ = inputs["x"].shape
+            assert layouts[kind(layout)](inputs["num_heads"], inputs["num_kv_heads"])
+            assert inputs["bias"] == GQA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
+            shapes = {"no mask": None, "mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T),
+                      "mask (B, H, T, T)": (B, inputs["num_heads"], T, T)}
+            assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
+            assert B > 1 and T > 1  # (B, 1, T, T) is not (T, T), and no mask is not a causal one
+        assert [inputs["x"].dtype for inputs in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
+    for case, (layout, bias) in CONVERSION.items():
+        for inputs in sent[f"mha-to-gqa-random[{case}]"]:
+            assert layouts[kind(layout)](inputs["num_heads"], *inputs["num_kv_heads"])
+            assert ("k_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+    for case in GQA_TESTS.REPEATS:
+        (inputs,) = sent[f"repeat-kv-random[{case}]"]
+        assert {n_rep for _, n_rep in inputs["calls"]} <= ({1} if case == "n_rep 1" else {2, 3, 4})
+        assert inputs["x"].shape[1] > 1 and inputs["one_head"].shape[1] == 1
+    for case in GQA_TESTS.ELEMENT_SIZES:
+        (inputs,) = sent[f"kv-cache-bytes-random[{case}]"]
+        given = [size for _, size in inputs["calls"]]
+        assert given == ([None] * 3 if case == "bytes_per_element by default" else [1, 2, 4])
 
 
 @pytest.mark.timeout(300)
-def test_the_hidden_inputs_of_kv_cache_are_what_their_case_names_say():
-    for seed in range(10):
-        sent = sent_inputs("kv_cache", seed)
-        for case, (layout, bias, cache, chunking) in DECODING.items():
-            for inputs in sent[f"decoding-random[{case}]"]:
-                heads, kv_heads = inputs["num_heads"], inputs["num_kv_heads"]
-                assert {"MHA": kv_heads == heads > 1, "MQA": kv_heads == 1 < heads,
-                        "GQA": 1 < kv_heads < heads}[kind(layout)]
-                assert ("q_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
-                assert ("cache_k" in inputs.values) == (cache == "a given cache")
-                if cache == "a given cache":
-                    assert inputs["cache_k"].shape[2] >= 1
-                (sizes,) = inputs["chunkings"]
-                assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
-                assert {"all in one step": len(sizes) == 1, "token by token": set(sizes) == {1},
-                        "ragged chunks": len(sizes) > 2 and max(sizes[1:]) > 1,
-                        "several tokens after a first chunk": len(sizes) == 2 and sizes[1] > 1}[chunking]
-        for case in KV_TESTS.LONG_CACHES:
-            (inputs,) = sent[f"long-decode[{case}]"]
-            assert ("cache_k" in inputs.values) == (case != "no cache")
-            assert "cache_k" not in inputs.values or inputs["cache_k"].shape[2] == 0
+@on_every_seed(tuple(range(10)))
+def test_the_hidden_inputs_of_kv_cache_are_what_their_case_names_say(seed):
+    sent = sent_inputs("kv_cache", seed)
+    for case, (layout, bias, cache, chunking) in DECODING.items():
+        for inputs in sent[f"decoding-random[{case}]"]:
+            heads, kv_heads = inputs["num_heads"], inputs["num_kv_heads"]
+            assert {"MHA": kv_heads == heads > 1, "MQA": kv_heads == 1 < heads,
+                    "GQA": 1 < kv_heads < heads}[kind(layout)]
+            assert ("q_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+            assert ("cache_k" in inputs.values) == (cache == "a given cache")
+            if cache == "a given cache":
+                assert inputs["cache_k"].shape[2] >= 1
+            (sizes,) = inputs["chunkings"]
+            assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
+            assert {"all in one step": len(sizes) == 1, "token by token": set(sizes) == {1},
+                    "ragged chunks": len(sizes) > 2 and max(sizes[1:]) > 1,
+                    "several tokens after a first chunk": len(sizes) == 2 and sizes[1] > 1}[chunking]
+    for case in KV_TESTS.LONG_CACHES:
+        (inputs,) = sent[f"long-decode[{case}]"]
+        assert ("cache_k" in inputs.values) == (case != "no cache")
+        assert "cache_k" not in inputs.values or inputs["cache_k"].shape[2] == 0
 
 
 # The notebooks.

@@ -34,6 +34,7 @@ from tests.fixtures.notebooks import (
     failed,
     grade_in_process,
     learner_notebook,
+    on_every_seed,
     sent_inputs,
 )
 
@@ -413,16 +414,15 @@ def hidden_test_functions(exercise_id: str) -> list[str]:
 
 
 @pytest.mark.parametrize("variant", WRONG + RIGHT, ids=variant_id)
-def test_every_answer_loses_exactly_its_hidden_tests_on_every_seed(variant):
+@on_every_seed(SEEDS, fast=False)  # the fast tier grades every answer on SEED above
+def test_every_answer_loses_exactly_its_hidden_tests_on_every_seed(variant, seed):
     """The hidden inputs change with the instructor's seed; what each answer loses must not."""
-    exercise = exercises.get(variant.exercise)
     namespace = learner_namespace(variant.exercise, variant.answers)
-    for seed in SEEDS:
-        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed,
-                                                          *hidden_test_functions(variant.exercise))
-        lost = {result.name for result in results if not result.passed}
-        assert not violations and all(not result.visible for result in results)
-        assert variant.hidden_failures <= lost <= variant.hidden_failures | variant.hidden_may_fail, (seed, lost)
+    results, violations, _ = self_check.run_in_kernel(exercises.get(variant.exercise), namespace, seed,
+                                                      *hidden_test_functions(variant.exercise))
+    lost = {result.name for result in results if not result.passed}
+    assert not violations and all(not result.visible for result in results)
+    assert variant.hidden_failures <= lost <= variant.hidden_failures | variant.hidden_may_fail, (seed, lost)
 
 
 def test_the_naive_decoding_would_fail_the_memory_rule_by_a_wide_margin_on_every_seed():
@@ -755,22 +755,22 @@ def test_reference_mla_cache_bytes_matches_the_papers():
 
 
 @pytest.mark.parametrize("exercise_id", ["rope", "mla"])
-def test_the_hidden_inputs_are_valid_for_many_seeds(exercise_id):
-    for seed in range(30):
-        for case, sent in sent_inputs(exercise_id, seed).items():
-            inputs = sent[0] if sent else None
-            if not isinstance(inputs, Inputs):
-                continue
-            for sizes in inputs.get("chunkings", []):
-                assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
-            if case.startswith("decode-random"):
-                # some chunk of several tokens after the first, where positions and the mask's alignment matter
-                assert all(len(sizes) >= 2 for sizes in inputs["chunkings"])
-                assert any(any(n > 1 for n in sizes[1:]) for sizes in inputs["chunkings"])
-            if case.startswith("rope-random"):
-                assert inputs["x"].shape[-1] >= 4 and (inputs["positions"] > 0).all()
-            if exercise_id == "rope" and "num_heads" in inputs.values:
-                assert (inputs["d_model"] // inputs["num_heads"]) % 2 == 0
+@on_every_seed(tuple(range(30)))
+def test_the_hidden_inputs_are_valid_for_many_seeds(exercise_id, seed):
+    for case, sent in sent_inputs(exercise_id, seed).items():
+        inputs = sent[0] if sent else None
+        if not isinstance(inputs, Inputs):
+            continue
+        for sizes in inputs.get("chunkings", []):
+            assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
+        if case.startswith("decode-random"):
+            # some chunk of several tokens after the first, where positions and the mask's alignment matter
+            assert all(len(sizes) >= 2 for sizes in inputs["chunkings"])
+            assert any(any(n > 1 for n in sizes[1:]) for sizes in inputs["chunkings"])
+        if case.startswith("rope-random"):
+            assert inputs["x"].shape[-1] >= 4 and (inputs["positions"] > 0).all()
+        if exercise_id == "rope" and "num_heads" in inputs.values:
+            assert (inputs["d_model"] // inputs["num_heads"]) % 2 == 0
 
 
 # The notebooks.

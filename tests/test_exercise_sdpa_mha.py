@@ -17,11 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.frontends import check as self_check
 from autograde.grading import batch, reference
-from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
-from autograde.submission import extract
 from tests.fixtures.implementations import (
     MHA_RIGHT,
     MHA_TESTS,
@@ -32,13 +29,22 @@ from tests.fixtures.implementations import (
     Variant,
     variant_id,
 )
-from tests.fixtures.notebooks import ROOT, SEED, failed, grade_in_process, learner_notebook, lost, sent_inputs
+from tests.fixtures.notebooks import (
+    ROOT,
+    SEED,
+    failed,
+    grade_in_process,
+    graded_on_seed,
+    learner_notebook,
+    lost,
+    on_every_seed,
+    sent_inputs,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 SDPA = reference.namespace(exercises.get("sdpa"))
 MHA = reference.namespace(exercises.get("mha"))
-SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
 GRADED_WRONG = [variant for variant in SDPA_WRONG + MHA_WRONG if not variant.not_allowed]
 
 
@@ -59,48 +65,36 @@ def test_the_solutions_score_full_marks_and_the_release_scores_0(tmp_path: Path)
 
 # Wrong answers lose exactly the tests they break, on every seed; right answers in other styles pass.
 
-def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
-    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
-    of SEEDS: the results by seed, then by test."""
-    exercise = exercises.get(exercise_id)
-    namespace = {"__name__": "__main__"}
-    for cell in extract.code_cells(learner_notebook(exercise_id, answers)):
-        exec(compile(cell.source, f"<cell {cell.number}>", "exec"), namespace)
-    graded = {}
-    for seed in SEEDS:
-        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
-        assert not violations
-        graded[seed] = {result.name: result for result in results}
-    return graded
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", GRADED_WRONG, ids=variant_id)
-def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant: Variant):
+@on_every_seed()
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant: Variant, seed):
     assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
     names = {test.name for test in catalogue(exercises.get(variant.exercise))}
     assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
     assert variant.visible_failures | variant.hidden_failures, "a wrong answer must lose points"
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        visible, hidden = lost(results)
-        assert (seed, visible) == (seed, variant.visible_failures)
-        assert (seed, hidden) == (seed, variant.hidden_failures)
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    visible, hidden = lost(results)
+    assert (seed, visible) == (seed, variant.visible_failures)
+    assert (seed, hidden) == (seed, variant.hidden_failures)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", SDPA_RIGHT + MHA_RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant: Variant):
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        assert (seed, failed(results)) == (seed, set())
+@on_every_seed()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant: Variant, seed):
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    assert (seed, failed(results)) == (seed, set())
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("exercise_id", ["sdpa", "mha"])
-def test_the_solution_keeps_full_marks_on_every_seed(exercise_id: str):
+@on_every_seed()
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id: str, seed):
     assert max_score(exercises.get(exercise_id)) == 10
-    for seed, results in graded_on_seeds(exercise_id).items():
-        assert (seed, failed(results)) == (seed, set())
-        assert sum(result.points for result in results.values()) == 10
+    results = graded_on_seed(exercise_id, None, seed)
+    assert (seed, failed(results)) == (seed, set())
+    assert sum(result.points for result in results.values()) == 10
 
 
 @pytest.mark.parametrize("exercise_id", ["sdpa", "mha"])
@@ -125,67 +119,67 @@ def test_a_dropout_is_told_by_the_mode():
 # The hidden inputs are what their case names say, whatever the seed.
 
 @pytest.mark.timeout(300)
-def test_the_hidden_inputs_of_sdpa_are_what_their_case_names_say():
-    for seed in range(8):
-        sent = sent_inputs("sdpa", seed)
-        for case, (leading, lengths, dtype) in SDPA_TESTS.SHAPE_CASES.items():
-            (inputs,) = sent[f"random-shapes[{case}]"]
-            q, k, v = inputs["q"], inputs["k"], inputs["v"]
-            assert q.dim() == k.dim() == v.dim() == SDPA_TESTS.LEADING[leading] + 2
-            assert min(q.shape[:-2] or (2,)) >= 2  # no singleton leading dimension
-            L, S = q.shape[-2], k.shape[-2]
-            assert {"L < S": L < S, "L = S": L == S, "L > S": L > S}[lengths] and min(L, S) >= 2
-            assert q.shape[-1] != v.shape[-1] and q.shape[-1] >= 2
-            assert q.dtype == k.dtype == v.dtype == SDPA_TESTS.DTYPES[dtype]
-        for case, (shape, rows) in SDPA_TESTS.MASK_CASES.items():
-            (inputs,) = sent[f"random-masks[{case}]"]
-            B, H, L, _ = inputs["q"].shape
-            S = inputs["k"].shape[-2]
-            mask = inputs["mask"]
-            assert min(B, H, L, S) >= 2 and inputs["q"].dtype == torch.float64
-            assert tuple(mask.shape) == SDPA_TESTS.mask_shape(shape, B, H, L, S)
-            keys = mask.sum(dim=-1)
-            assert (keys == 0).any() == (rows == "fully masked rows")
-            assert (keys[keys > 0] >= 2).all()  # a row with one key has weight 1 whatever its scores
-        (inputs,) = sent["gradients"]
-        assert (~inputs["mask"].any(dim=-1)).any() and inputs["dout"].shape[:-1] == inputs["q"].shape[:-1]
-        (inputs,) = sent["causal-attention"]
-        assert inputs["q"].shape[-2] > inputs["k"].shape[-2] >= 2
-        (inputs,) = sent["causal-mask-random"]
-        for calls in (inputs["calls"], inputs["device_calls"]):  # every axis value, with and without a device
-            assert {len(args) == 1 for args in calls} == {True, False}
-            assert {(args[0] > args[1]) - (args[0] < args[1]) for args in calls if len(args) == 2} == {-1, 0, 1}
+@on_every_seed(tuple(range(8)))
+def test_the_hidden_inputs_of_sdpa_are_what_their_case_names_say(seed):
+    sent = sent_inputs("sdpa", seed)
+    for case, (leading, lengths, dtype) in SDPA_TESTS.SHAPE_CASES.items():
+        (inputs,) = sent[f"random-shapes[{case}]"]
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        assert q.dim() == k.dim() == v.dim() == SDPA_TESTS.LEADING[leading] + 2
+        assert min(q.shape[:-2] or (2,)) >= 2  # no singleton leading dimension
+        L, S = q.shape[-2], k.shape[-2]
+        assert {"L < S": L < S, "L = S": L == S, "L > S": L > S}[lengths] and min(L, S) >= 2
+        assert q.shape[-1] != v.shape[-1] and q.shape[-1] >= 2
+        assert q.dtype == k.dtype == v.dtype == SDPA_TESTS.DTYPES[dtype]
+    for case, (shape, rows) in SDPA_TESTS.MASK_CASES.items():
+        (inputs,) = sent[f"random-masks[{case}]"]
+        B, H, L, _ = inputs["q"].shape
+        S = inputs["k"].shape[-2]
+        mask = inputs["mask"]
+        assert min(B, H, L, S) >= 2 and inputs["q"].dtype == torch.float64
+        assert tuple(mask.shape) == SDPA_TESTS.mask_shape(shape, B, H, L, S)
+        keys = mask.sum(dim=-1)
+        assert (keys == 0).any() == (rows == "fully masked rows")
+        assert (keys[keys > 0] >= 2).all()  # a row with one key has weight 1 whatever its scores
+    (inputs,) = sent["gradients"]
+    assert (~inputs["mask"].any(dim=-1)).any() and inputs["dout"].shape[:-1] == inputs["q"].shape[:-1]
+    (inputs,) = sent["causal-attention"]
+    assert inputs["q"].shape[-2] > inputs["k"].shape[-2] >= 2
+    (inputs,) = sent["causal-mask-random"]
+    for calls in (inputs["calls"], inputs["device_calls"]):  # every axis value, with and without a device
+        assert {len(args) == 1 for args in calls} == {True, False}
+        assert {(args[0] > args[1]) - (args[0] < args[1]) for args in calls if len(args) == 2} == {-1, 0, 1}
 
 
 @pytest.mark.timeout(300)
-def test_the_hidden_inputs_of_mha_are_what_their_case_names_say():
-    for seed in range(8):
-        sent = sent_inputs("mha", seed)
-        for case, (kind, mask, bias, heads) in MHA_TESTS.ATTENTION_CASES.items():
-            for inputs in sent[f"attention-random[{case}]"]:
-                B, L, _ = inputs["query"].shape
-                S = inputs["key"].shape[1]
-                H = inputs["num_heads"]
-                assert min(B, L, S) >= 2 and (H == 1) == (heads == "1 head")
-                same = torch.equal(inputs["query"], inputs["key"]) and torch.equal(inputs["key"], inputs["value"])
-                assert same == (kind == "self-attention")
-                assert inputs["bias"] == MHA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
-                shapes = {"no mask": None, "mask (L, S)": (L, S), "mask (B, 1, L, S)": (B, 1, L, S),
-                          "mask (B, H, L, S)": (B, H, L, S)}
-                assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
-            assert [i["query"].dtype for i in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
-        for case in MHA_TESTS.DEFAULTS:
-            (inputs,) = sent[f"default-key-value[{case}]"]
-            assert "value" not in inputs.values and inputs["num_heads"] > 1
-            assert ("key" in inputs.values) == (case == "value left to its default")
-        for case in MHA_TESTS.HEADS:
-            (inputs,) = sent[f"load-torch-mha-no-bias[{case}]"]
-            assert (inputs["num_heads"] == 1) == (case == "1 head") and not inputs["bias"]
-            (inputs,) = sent[f"heads-random[{case}]"]
-            assert inputs["num_heads"] == [inputs["y"].shape[1]] and (inputs["y"].shape[1] == 1) == (case == "1 head")
-            assert min(inputs["x"].shape[1], inputs["y"].shape[2]) >= 2  # one token hides heads mixed with tokens
-        (inputs,) = sent["gradients"]
-        assert (~inputs["mask"].any(dim=-1)).any() and inputs["num_heads"] > 1
+@on_every_seed(tuple(range(8)))
+def test_the_hidden_inputs_of_mha_are_what_their_case_names_say(seed):
+    sent = sent_inputs("mha", seed)
+    for case, (kind, mask, bias, heads) in MHA_TESTS.ATTENTION_CASES.items():
+        for inputs in sent[f"attention-random[{case}]"]:
+            B, L, _ = inputs["query"].shape
+            S = inputs["key"].shape[1]
+            H = inputs["num_heads"]
+            assert min(B, L, S) >= 2 and (H == 1) == (heads == "1 head")
+            same = torch.equal(inputs["query"], inputs["key"]) and torch.equal(inputs["key"], inputs["value"])
+            assert same == (kind == "self-attention")
+            assert inputs["bias"] == MHA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
+            shapes = {"no mask": None, "mask (L, S)": (L, S), "mask (B, 1, L, S)": (B, 1, L, S),
+                      "mask (B, H, L, S)": (B, H, L, S)}
+            assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
+        assert [i["query"].dtype for i in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
+    for case in MHA_TESTS.DEFAULTS:
+        (inputs,) = sent[f"default-key-value[{case}]"]
+        assert "value" not in inputs.values and inputs["num_heads"] > 1
+        assert ("key" in inputs.values) == (case == "value left to its default")
+    for case in MHA_TESTS.HEADS:
+        (inputs,) = sent[f"load-torch-mha-no-bias[{case}]"]
+        assert (inputs["num_heads"] == 1) == (case == "1 head") and not inputs["bias"]
+        (inputs,) = sent[f"heads-random[{case}]"]
+        assert inputs["num_heads"] == [inputs["y"].shape[1]] and (inputs["y"].shape[1] == 1) == (case == "1 head")
+        assert min(inputs["x"].shape[1], inputs["y"].shape[2]) >= 2  # one token hides heads mixed with tokens
+    (inputs,) = sent["gradients"]
+    assert (~inputs["mask"].any(dim=-1)).any() and inputs["num_heads"] > 1
 
 
 # The references' gradients through fully masked rows, against PyTorch's attention.

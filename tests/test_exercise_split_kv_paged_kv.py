@@ -18,13 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.frontends import check as self_check
 from autograde.grading import batch, reference
-from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
-from autograde.submission import extract
 from tests.fixtures.implementations import Variant, fs, variant_id
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, grade_in_process, learner_notebook, lost, sent_inputs
+from tests.fixtures.notebooks import (
+    ROOT,
+    SEED,
+    answer,
+    failed,
+    grade_in_process,
+    graded_on_seed,
+    learner_notebook,
+    lost,
+    on_every_seed,
+    sent_inputs,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +40,6 @@ SPLIT_KV = reference.namespace(exercises.get("split_kv"))
 PAGED_KV = reference.namespace(exercises.get("paged_kv"))
 SPLIT_TESTS = exercises.module(exercises.get("split_kv"))
 PAGED_TESTS = exercises.module(exercises.get("paged_kv"))
-SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
 MERGE, SPLIT, APPEND, ATTENTION = "merge_attention_states", "split_kv_attention", "append_to_paged_cache", \
     "paged_attention"
 
@@ -241,44 +248,32 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens):
 ]
 
 
-def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
-    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
-    of SEEDS: the results by seed, then by test."""
-    exercise = exercises.get(exercise_id)
-    namespace = {"__name__": "__main__"}
-    for cell in extract.code_cells(learner_notebook(exercise_id, answers)):
-        exec(compile(cell.source, f"<cell {cell.number}>", "exec"), namespace)
-    graded = {}
-    for seed in SEEDS:
-        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
-        assert not violations
-        graded[seed] = {result.name: result for result in results}
-    return graded
-
-
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
-def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant):
+@on_every_seed()
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
     assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
     names = {test.name for test in catalogue(exercises.get(variant.exercise))}
     assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        visible, hidden = lost(results)
-        assert (seed, visible) == (seed, variant.visible_failures)
-        assert (seed, hidden) == (seed, variant.hidden_failures)
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    visible, hidden = lost(results)
+    assert (seed, visible) == (seed, variant.visible_failures)
+    assert (seed, hidden) == (seed, variant.hidden_failures)
 
 
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant):
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        assert (seed, failed(results)) == (seed, set())
+@on_every_seed()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant, seed):
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    assert (seed, failed(results)) == (seed, set())
 
 
 @pytest.mark.parametrize("exercise_id", ["split_kv", "paged_kv"])
-def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
+@on_every_seed()
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id, seed):
     assert max_score(exercises.get(exercise_id)) == 10
-    for seed, results in graded_on_seeds(exercise_id).items():
-        assert (seed, failed(results)) == (seed, set())
-        assert sum(result.points for result in results.values()) == 10
+    results = graded_on_seed(exercise_id, None, seed)
+    assert (seed, failed(results)) == (seed, set())
+    assert sum(result.points for result in results.values()) == 10
 
 
 @pytest.mark.parametrize("call", ["torch.softmax(scores, dim=-1)", "scores.softmax(dim=-1)",
@@ -427,78 +422,78 @@ def test_reference_append_writes_one_slot_per_sequence_and_nothing_else():
 
 # The hidden inputs are what their case names say, whatever the seed.
 
-def test_the_hidden_inputs_of_split_kv_are_what_their_case_names_say():
-    for seed in SEEDS:
-        sent = sent_inputs("split_kv", seed)
-        for case, (splits, queries, causal, layout) in SPLITS.items():
-            inputs, in_float64 = sent[f"split-kv-random[{case}]"]  # the float32 copy, then the float64 one
-            assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
-            H, H_kv, L, S = inputs["q"].shape[1], inputs["k"].shape[1], inputs["q"].shape[2], inputs["k"].shape[2]
-            ((_, num_splits, causal_given),) = inputs["calls"]
-            chunks = [stop - start for start, stop in SPLIT_TESTS.chunk_bounds(S, num_splits)]
-            assert {"one split": num_splits == 1,
-                    "splits dividing S": num_splits > 1 and S % num_splits == 0,
-                    "splits not dividing S": 1 < num_splits < S and S % num_splits and 0 not in chunks,
-                    "more splits than keys": num_splits > S}[splits], (case, S, num_splits)
-            assert (0 in chunks) == (splits == "more splits than keys")
-            assert (L == 1) == (queries == "L = 1 (decoding)") and L < S
-            assert causal_given == SPLIT_TESTS.CAUSAL[causal]
-            assert {"MHA": H_kv == H > 1, "GQA": 1 < H_kv < H, "MQA": H_kv == 1 < H}[kind(layout)]
-        for dtype in SPLIT_TESTS.DTYPES:
-            (inputs,) = sent[f"split-kv-large-scores[{dtype}]"]
-            q, k = inputs["q"].double(), inputs["k"].double()
-            scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-2, -1) / 4
-            centre = {"float32": 96.0, "float64": 1000.0}[dtype]  # past 88.7 and 709.8, where exp overflows
-            assert (scores - centre).abs().max() <= 15 / 4 and q.shape[-1] == 16
-            assert torch.equal(scores, torch.round(scores * 4) / 4)  # quarters: exact in float32
-            S, num_splits = inputs["k"].shape[2], inputs["calls"][0][1]
-            assert S % num_splits and 0 not in [b - a for a, b in SPLIT_TESTS.chunk_bounds(S, num_splits)]
-        for case, (magnitude, dtype) in MERGES.items():
-            (inputs,) = sent[f"merge-random[{case}]"]
-            assert str(inputs["out_a"].dtype) == f"torch.{dtype}"
-            finite = torch.cat([inputs["lse_a"].flatten(), inputs["lse_b"].flatten()])
-            finite = finite[torch.isfinite(finite)]
-            limit = {"float32": 88.8, "float64": 745.0}[dtype]
-            assert {"ordinary lse": finite.abs().max() < 10, "large positive lse": finite.min() > limit,
-                    "large negative lse": finite.max() < -limit}[magnitude]
-            assert not (torch.isinf(inputs["lse_a"]) & torch.isinf(inputs["lse_b"])).any()
+@on_every_seed()
+def test_the_hidden_inputs_of_split_kv_are_what_their_case_names_say(seed):
+    sent = sent_inputs("split_kv", seed)
+    for case, (splits, queries, causal, layout) in SPLITS.items():
+        inputs, in_float64 = sent[f"split-kv-random[{case}]"]  # the float32 copy, then the float64 one
+        assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
+        H, H_kv, L, S = inputs["q"].shape[1], inputs["k"].shape[1], inputs["q"].shape[2], inputs["k"].shape[2]
+        ((_, num_splits, causal_given),) = inputs["calls"]
+        chunks = [stop - start for start, stop in SPLIT_TESTS.chunk_bounds(S, num_splits)]
+        assert {"one split": num_splits == 1,
+                "splits dividing S": num_splits > 1 and S % num_splits == 0,
+                "splits not dividing S": 1 < num_splits < S and S % num_splits and 0 not in chunks,
+                "more splits than keys": num_splits > S}[splits], (case, S, num_splits)
+        assert (0 in chunks) == (splits == "more splits than keys")
+        assert (L == 1) == (queries == "L = 1 (decoding)") and L < S
+        assert causal_given == SPLIT_TESTS.CAUSAL[causal]
+        assert {"MHA": H_kv == H > 1, "GQA": 1 < H_kv < H, "MQA": H_kv == 1 < H}[kind(layout)]
+    for dtype in SPLIT_TESTS.DTYPES:
+        (inputs,) = sent[f"split-kv-large-scores[{dtype}]"]
+        q, k = inputs["q"].double(), inputs["k"].double()
+        scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-2, -1) / 4
+        centre = {"float32": 96.0, "float64": 1000.0}[dtype]  # past 88.7 and 709.8, where exp overflows
+        assert (scores - centre).abs().max() <= 15 / 4 and q.shape[-1] == 16
+        assert torch.equal(scores, torch.round(scores * 4) / 4)  # quarters: exact in float32
+        S, num_splits = inputs["k"].shape[2], inputs["calls"][0][1]
+        assert S % num_splits and 0 not in [b - a for a, b in SPLIT_TESTS.chunk_bounds(S, num_splits)]
+    for case, (magnitude, dtype) in MERGES.items():
+        (inputs,) = sent[f"merge-random[{case}]"]
+        assert str(inputs["out_a"].dtype) == f"torch.{dtype}"
+        finite = torch.cat([inputs["lse_a"].flatten(), inputs["lse_b"].flatten()])
+        finite = finite[torch.isfinite(finite)]
+        limit = {"float32": 88.8, "float64": 745.0}[dtype]
+        assert {"ordinary lse": finite.abs().max() < 10, "large positive lse": finite.min() > limit,
+                "large negative lse": finite.max() < -limit}[magnitude]
+        assert not (torch.isinf(inputs["lse_a"]) & torch.isinf(inputs["lse_b"])).any()
 
 
 def used_pages(inputs, b: int) -> list[int]:
     return inputs["block_table"][b, :math.ceil(int(inputs["seq_lens"][b]) / inputs["k_pages"].shape[2])].tolist()
 
 
-def test_the_hidden_inputs_of_paged_kv_are_what_their_case_names_say():
-    for seed in SEEDS:
-        sent = sent_inputs("paged_kv", seed)
-        for case, (table, ends, layout) in PAGED.items():
-            inputs, in_float64 = sent[f"paged-attention-random[{case}]"]
-            assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
-            page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"].tolist()
-            rows = [used_pages(inputs, b) for b in range(len(lengths))]
-            assert all((n % page_size != 0) == (ends == PAST_THE_END) for n in lengths)
-            if table == SORTED:
-                assert all(len(row) >= 2 and row[-1] != max(row) for row in rows)
-            else:
-                assert all(row == sorted(row) for row in rows)
-            shared = {row[0] for row in rows}
-            assert (len(shared) == 1) == (table == "a shared prefix")
-            every = [page for row in rows for page in row]
-            listed = set(inputs["block_table"].flatten().tolist())
-            assert len(set(every)) < inputs["k_pages"].shape[0] and listed <= set(range(inputs["k_pages"].shape[0]))
-            H, H_kv = inputs["q"].shape[1], inputs["k_pages"].shape[1]
-            assert {"MHA": H_kv == H > 1, "GQA": 1 < H_kv < H, "MQA": H_kv == 1 < H}[kind(layout)]
-        for case, (ends, table) in APPENDS.items():
-            inputs, _ = sent[f"append-random[{case}]"]
-            page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"]
-            assert all((n % page_size == 0) == (ends == "new tokens starting a page") for n in lengths.tolist())
-            pages, _ = PAGED_TESTS.new_slots(inputs)
-            assert len(set(pages.tolist())) == len(pages)  # no two sequences write the same page
-            assert all(n >= page_size for n in lengths.tolist()) or ends != "new tokens starting a page"
-        for case, size in PAGED_TESTS.PAGE_SIZES.items():
-            (inputs,) = sent[f"paged-attention-page-sizes[{case}]"]
-            assert inputs["k_pages"].shape[2] == size
-            assert (int(inputs["seq_lens"][0]) % size != 0) == (size > 1)
+@on_every_seed()
+def test_the_hidden_inputs_of_paged_kv_are_what_their_case_names_say(seed):
+    sent = sent_inputs("paged_kv", seed)
+    for case, (table, ends, layout) in PAGED.items():
+        inputs, in_float64 = sent[f"paged-attention-random[{case}]"]
+        assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
+        page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"].tolist()
+        rows = [used_pages(inputs, b) for b in range(len(lengths))]
+        assert all((n % page_size != 0) == (ends == PAST_THE_END) for n in lengths)
+        if table == SORTED:
+            assert all(len(row) >= 2 and row[-1] != max(row) for row in rows)
+        else:
+            assert all(row == sorted(row) for row in rows)
+        shared = {row[0] for row in rows}
+        assert (len(shared) == 1) == (table == "a shared prefix")
+        every = [page for row in rows for page in row]
+        listed = set(inputs["block_table"].flatten().tolist())
+        assert len(set(every)) < inputs["k_pages"].shape[0] and listed <= set(range(inputs["k_pages"].shape[0]))
+        H, H_kv = inputs["q"].shape[1], inputs["k_pages"].shape[1]
+        assert {"MHA": H_kv == H > 1, "GQA": 1 < H_kv < H, "MQA": H_kv == 1 < H}[kind(layout)]
+    for case, (ends, table) in APPENDS.items():
+        inputs, _ = sent[f"append-random[{case}]"]
+        page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"]
+        assert all((n % page_size == 0) == (ends == "new tokens starting a page") for n in lengths.tolist())
+        pages, _ = PAGED_TESTS.new_slots(inputs)
+        assert len(set(pages.tolist())) == len(pages)  # no two sequences write the same page
+        assert all(n >= page_size for n in lengths.tolist()) or ends != "new tokens starting a page"
+    for case, size in PAGED_TESTS.PAGE_SIZES.items():
+        (inputs,) = sent[f"paged-attention-page-sizes[{case}]"]
+        assert inputs["k_pages"].shape[2] == size
+        assert (int(inputs["seq_lens"][0]) % size != 0) == (size > 1)
 
 
 # The notebooks.
