@@ -11,8 +11,10 @@ ten times slower: KVM inside this machine, itself a VM, hangs before the kernel 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -76,13 +78,22 @@ def test_the_tests_that_need_cgroup_v2_pass_in_a_virtual_machine_that_has_it(tmp
     (out / "inside.sh").write_text("".join(f"{name}={shlex.quote(str(value))}\n" for name, value in settings.items())
                                    + INSIDE)
     environment = {**os.environ, "PATH": f"{vng.parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}"}
-    booted = subprocess.run(
+    # A session of its own, killed as a whole however the test ends: QEMU is virtme-ng's child, and a
+    # time-out of virtme-ng alone would leave it running with its 12 GiB.
+    vm = subprocess.Popen(
         [str(vng), "--disable-kvm", "--run", str(kernel), "--memory", "12G", "--cpus", "2", "--rwdir", str(out),
          "--", "sh", str(out / "inside.sh"), *VERSION_2_TESTS],
-        capture_output=True, text=True, env=environment, cwd=ROOT, timeout=1700)
-    assert (out / "booted").exists(), f"the virtual machine did not boot {kernel.name}:\n{booted.stderr[-3000:]}"
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=ROOT,
+        start_new_session=True)
+    try:
+        stdout, stderr = vm.communicate(timeout=1700)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(vm.pid, signal.SIGKILL)
+        vm.wait()
+    assert (out / "booted").exists(), f"the virtual machine did not boot {kernel.name}:\n{stderr[-3000:]}"
     assert "cgroup2 /sys/fs/cgroup " in (out / "cgroups").read_text(), (out / "cgroups").read_text()
-    log = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else booted.stdout[-3000:]
+    log = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else stdout[-3000:]
     assert (out / "junit.xml").exists(), log[-5000:]
     outcomes = {}
     for case in ElementTree.parse(out / "junit.xml").getroot().iter("testcase"):
