@@ -182,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograde", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("release", help="regenerate exercises/ from solutions/ with nbgrader")
+    releasing = commands.add_parser("release", help="regenerate exercises/ from solutions/ with nbgrader")
+    releasing.add_argument("--book-url", default=release.OPEN_BOOK,
+                           help="the book the notebooks link to: your class edition's (default: the open "
+                                "edition, %(default)s, which prints every answer)")
+    releasing.add_argument("--repository", default=release.OPEN_REPOSITORY,
+                           help="the repository the set-up cell clones on Colab and the Colab badge opens "
+                                "(default: %(default)s)")
     grading = commands.add_parser(
         "grade", help="grade <submitted>/<student>/<assignment>/<exercise>.ipynb, or one notebook",
         epilog=GRADE_OUTPUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "release":
         try:
-            written = release.release()
-        except course.CourseNotFound as exc:
+            written = release.release(book_url=args.book_url, repository=args.repository)
+        except (course.CourseNotFound, release.LinkError) as exc:
             print(exc, file=sys.stderr)
             return 2
         for path in written:

@@ -8,10 +8,16 @@ nbgrader's `generate_assignment` runs in a temporary course folder (its `source/
 kept: the release needs none, and instructors keep their own. Last, each exercise's visible
 tests run on the solution, and what the reference returned is written beside the notebook
 (`grading.expected`), for learners' checks in a copy of the course without `solutions/`.
+
+The notebooks link to the book and to the course's repository (the set-up cell clones it on
+Colab; the Colab badge opens the notebook from it): the open edition's by default, and for a
+graded class its own (`release --book-url ... --repository ...`), since the open chapters print
+every answer. The links are rewritten in the source copy, before nbgrader computes its checksums.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,6 +32,44 @@ from autograde.grading import expected
 from autograde.grading.session import TestInfo, catalogue
 
 TEST_CELL = "test-"  # how the grade ids of the autograded test cells start
+OPEN_BOOK = "https://mha-derived.github.io/mha-derived/"  # the open edition, as solutions/ links to it
+OPEN_REPOSITORY = "https://github.com/mha-derived/mha-derived"
+COLAB = "https://colab.research.google.com/github/"
+GITHUB = re.compile(r"https://github\.com/([^/\s]+/[^/\s]+?)(?:\.git)?/?$")
+
+
+class LinkError(ValueError):
+    pass
+
+
+def relinked(text: str, book_url: str = OPEN_BOOK, repository: str = OPEN_REPOSITORY) -> str:
+    """`text` (a notebook's cells) with the open edition's links pointing at `book_url` and `repository`.
+
+    The Colab badge opens a notebook from a GitHub repository: for a repository elsewhere, the
+    badge's line is left out."""
+    book_url, repository = book_url.rstrip("/") + "/", repository.rstrip("/")
+    colab_of_open = COLAB + GITHUB.match(OPEN_REPOSITORY).group(1) + "/"
+    on_github = GITHUB.match(repository)
+    if on_github:
+        text = text.replace(colab_of_open, COLAB + on_github.group(1) + "/")
+    else:
+        text = "\n".join(line for line in text.split("\n") if colab_of_open not in line)
+    return text.replace(OPEN_BOOK, book_url).replace(OPEN_REPOSITORY, repository)
+
+
+def check_link(url: str, what: str) -> str:
+    if not re.fullmatch(r"https?://[^\s\"'`\\]+", url):
+        raise LinkError(f"{what} must be an http(s) URL without spaces or quotes: {url!r}")
+    return url
+
+
+def _relink_notebook(path: Path, book_url: str, repository: str) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    sources = [cell.source for cell in notebook.cells]
+    for cell in notebook.cells:
+        cell.source = relinked(cell.source, book_url, repository)
+    if [cell.source for cell in notebook.cells] != sources:  # the open edition's release is left byte for byte
+        nbformat.write(notebook, path)
 
 
 def test_functions(exercise: Exercise) -> list[TestInfo]:
@@ -82,9 +126,12 @@ def generate(course: Path, assignment: str) -> None:
         raise RuntimeError(f"nbgrader could not generate {assignment}: {result['error']}\n{result['log']}")
 
 
-def release(solutions: Path | None = None, exercises: Path | None = None) -> list[Path]:
-    """Regenerate `exercises` from every assignment of `solutions` (by default the course's own);
-    returns the notebooks written."""
+def release(solutions: Path | None = None, exercises: Path | None = None, book_url: str = OPEN_BOOK,
+            repository: str = OPEN_REPOSITORY) -> list[Path]:
+    """Regenerate `exercises` from every assignment of `solutions` (by default the course's own),
+    linking to `book_url` and `repository`; returns the files written."""
+    check_link(book_url, "the book's URL")
+    check_link(repository, "the repository's URL")
     solutions, exercises = solutions or course.solutions(), exercises or course.exercises()
     for exercise in registry.EXERCISES.values():
         if (solutions / exercise.notebook).exists():
@@ -94,6 +141,8 @@ def release(solutions: Path | None = None, exercises: Path | None = None) -> lis
         for assignment in assignments(solutions):
             shutil.copytree(solutions / assignment, nbgrader_course / "source" / assignment,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+            for notebook in (nbgrader_course / "source" / assignment).glob("*.ipynb"):
+                _relink_notebook(notebook, book_url, repository)
             generate(nbgrader_course, assignment)
         # Only once every assignment generated: replace what was there, stale assignments included.
         shutil.rmtree(exercises, ignore_errors=True)
