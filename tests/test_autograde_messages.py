@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from autograde import registry
 from autograde.cases import Inputs
+from autograde.frontends.check import check
 from autograde.grading.compare import FLOAT32_HINT, NOT_RUN, CaseResult, compare_floats, compare_tensor
 from autograde.grading.report import case_lines, check_text, counted
 from autograde.sandbox.observe import TensorValue
@@ -64,3 +66,29 @@ def test_a_test_that_could_not_run_is_not_called_failed():
     first, *details = case_lines(result, details=True)
     assert first.startswith("NOT RUN  random-shapes (hidden)") and "FAIL" not in first
     assert details[-1].strip().startswith("not run: no expected value was released")
+
+
+RAISES = """
+import torch
+
+def causal_mask(L, S=None, device=None):
+    raise ValueError("not written yet")
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    raise ValueError("not written yet")
+"""
+
+
+def test_the_inputs_line_has_one_format_and_no_name_of_the_tests_own(capsys):
+    namespace: dict = {}
+    exec(RAISES, namespace)
+    check("sdpa", namespace=namespace)
+    lines = [line.strip().removeprefix("inputs: ") for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith("inputs: ")]
+    assert len(lines) == 6, lines
+    # a call of the learner's function and a call through the test's adapter read alike
+    assert lines[0] == ("q (2, 3, 4, 8) float64, k (2, 3, 6, 8) float64, v (2, 3, 6, 5) float64; "
+                        "no mask, L != S, d_v != d_k")
+    assert lines[1] == "q (2, 2, 5, 16) float32, k (2, 2, 7, 16) float32, v (2, 2, 7, 16) float32; no mask"
+    adapters = registry.adapters(registry.get("sdpa"))
+    assert not any(f"{name}(" in line for line in lines for name in adapters), lines

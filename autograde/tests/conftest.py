@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from autograde import registry
-from autograde.cases import Draw, submission_seed, submitter_of, test_seed
+from autograde.cases import Draw, Inputs, submission_seed, submitter_of, test_seed
 from autograde.grading.compare import CaseResult
 from autograde.grading.proxies import LearnerFailed
 from autograde.grading.session import (
@@ -128,9 +128,25 @@ def pytest_runtest_makereport(item, call):
         return  # the first failure (setup or call) is the one to report
     if problems and problems[0].startswith("inputs: "):  # as `assert_same` describes them
         inputs, problems = problems[0].removeprefix("inputs: "), problems[1:]
-    else:  # the calls the test made
-        inputs = "; ".join(getattr(run.submission, "log", [])[:6])
+    else:  # the inputs the test drew, as `assert_same` describes them, else the calls it made
+        inputs = _drawn_inputs(item, call.excinfo) or "; ".join(
+            _call_text(entry, run.exercise) for entry in getattr(run.submission, "log", [])[:6])
     run.results[info.name] = CaseResult(info.name, info.points, info.visible, info.about, inputs, problems)
+
+
+def _drawn_inputs(item, excinfo) -> str | None:
+    """The one `Inputs` a failing test function holds, described: the same line whichever call failed."""
+    for entry in excinfo.traceback if excinfo is not None else ():
+        if entry.frame.code.raw is getattr(item, "function", None).__code__:
+            drawn = [value for value in entry.locals.values() if isinstance(value, Inputs)]
+            return drawn[0].describe() if len(drawn) == 1 else None
+    return None
+
+
+def _call_text(entry: str, exercise) -> str:
+    """A logged call, `attend(q (2, 3) float64, ...)`, without the name of the test's own adapter."""
+    name = entry.partition("(")[0]
+    return entry[len(name) + 1:-1] if name in registry.adapters(exercise) else entry
 
 
 def _problems(excinfo) -> tuple[str, ...]:
