@@ -148,6 +148,7 @@ def test_answer_names_are_defined_only_in_tagged_cells():
     assert not untagged & set(ANSWER_NAMES), f"defined in untagged cells: {sorted(untagged & set(ANSWER_NAMES))}"
 
 
+@pytest.mark.book
 def test_no_file_of_the_class_edition_defines_a_graded_answer(class_build):
     files = [path for path in CLASS_HTML.rglob("*") if path.is_file()]
     assert any(path.name == "searchindex.js" for path in files)
@@ -156,6 +157,7 @@ def test_no_file_of_the_class_edition_defines_a_graded_answer(class_build):
     assert not {path: names for path, names in leaks.items() if names}
 
 
+@pytest.mark.book
 def test_every_tagged_cell_is_replaced_by_a_note(class_build):
     for chapter in CHAPTERS:
         tagged = sum(map(is_tagged, chapter_cells(chapter)))
@@ -163,6 +165,7 @@ def test_every_tagged_cell_is_replaced_by_a_note(class_build):
         assert page.count("graded-answer-left-out") == tagged, chapter
 
 
+@pytest.mark.book
 def test_class_edition_keeps_the_figures(class_build):
     if not OPEN_HTML.is_dir():
         pytest.skip("no open edition in _build/html to compare with: run `make book`")
@@ -171,6 +174,7 @@ def test_class_edition_keeps_the_figures(class_build):
         assert figures(CLASS_HTML / "book" / f"{chapter}.html") == open_figures, chapter
 
 
+@pytest.mark.book
 def test_class_edition_has_no_sources_downloads_or_launch_buttons(class_build):
     assert not [path for path in CLASS_HTML.rglob("_sources")], "a _sources folder"
     assert not list(CLASS_HTML.rglob("*.ipynb")) and not list(CLASS_HTML.rglob("*.md"))
@@ -180,6 +184,7 @@ def test_class_edition_has_no_sources_downloads_or_launch_buttons(class_build):
             assert marker not in page, f"{chapter}: {marker}"
 
 
+@pytest.mark.book
 def test_class_build_leaves_the_colab_notebooks_alone(class_build):
     """Colab opens the open edition's notebooks, answers in, whichever edition was built last."""
     if class_build["built_here"]:
