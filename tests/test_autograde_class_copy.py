@@ -17,7 +17,7 @@ from autograde.grading.proxies import LearnerFailed
 from autograde.registry import EXERCISES
 from tests.fixtures.notebooks import ROOT
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.xdist_group("autograde_class_copy"), pytest.mark.timeout(600)]
 
 # Runs in the copy, in a fresh interpreter: the cells on stdin define the functions, then the
 # visible tests run on them as `check()` runs them; prints each exercise's failing tests.

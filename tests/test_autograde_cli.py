@@ -15,7 +15,7 @@ from autograde.grading import report
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.xdist_group("autograde_cli"), pytest.mark.timeout(600)]
 
 
 def test_grading_a_class_exits_0_and_writes_one_row_per_student_and_exercise(class_grades):

@@ -23,7 +23,7 @@ from autograde.registry import EXERCISES
 from autograde.submission import locate
 from tests.fixtures.notebooks import ROOT, SEED, learner_notebook, write
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.xdist_group("autograde_gradescope"), pytest.mark.timeout(600)]
 
 ASSIGNMENT = "attention"
 EXERCISE_IDS = ("sdpa", "mha")

@@ -24,7 +24,7 @@ from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.xdist_group("autograde_sandbox"), pytest.mark.timeout(600)]
 
 LIMITS = sandbox.Limits(wall_seconds=30, cpu_seconds=10, memory_bytes=3 * 2**30, file_bytes=2**20,
                         cell_seconds=2, case_seconds=2)

@@ -24,7 +24,7 @@ from autograde.grading import class_report, provenance
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.xdist_group("autograde_shards"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 DEPLOY = ROOT / "autograde" / "deploy"
 SHARDS = 3

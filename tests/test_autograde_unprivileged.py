@@ -41,6 +41,7 @@ from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = [
+    pytest.mark.xdist_group("autograde_unprivileged"),  # its module's fixtures made once
     pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"),

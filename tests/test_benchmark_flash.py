@@ -53,6 +53,8 @@ def naive_attention(q, k, v, causal):
     return torch.exp(scores - lse[..., None]).nan_to_num(0.0) @ v, lse
 
 
+pytestmark = pytest.mark.xdist_group("benchmark_flash")  # one quick run of the benchmark
+
 @pytest.fixture(scope="module")
 def quick_run():
     return run_module("benchmarks.flash_cpu", "--quick")

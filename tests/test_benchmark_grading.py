@@ -12,7 +12,7 @@ import pytest
 from benchmarks import grading_throughput as benchmark
 from benchmarks.grading_throughput import Submission
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.xdist_group("benchmark_grading"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 STUDENTS = 2
 ASSIGNMENT = "attention"

@@ -14,6 +14,8 @@ KV_HEADS = {"mha": 32, "gqa8": 8, "mqa": 1}
 BATCH, HEAD_DIM, FLOAT32_BYTES = 8, 128, 4
 
 
+pytestmark = pytest.mark.xdist_group("benchmark_kv_cache")  # one quick run of the benchmark
+
 @pytest.fixture(scope="module")
 def quick_output():
     completed = subprocess.run(

@@ -19,7 +19,7 @@ import pytest
 from tests.fixtures.implementations import SDPA_WRONG
 from tests.fixtures.notebooks import ROOT, SEED, answer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.xdist_group("packaging"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

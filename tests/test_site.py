@@ -38,6 +38,8 @@ ARTIFACTS = ROOT / "test-artifacts"
 CONFIG = yaml.safe_load((BOOK_ROOT / "_config.yml").read_text(encoding="utf-8"))
 
 sys.path.insert(0, str(ROOT / "tools"))
+
+pytestmark = pytest.mark.xdist_group("site")  # one browser loads every page once
 from book_site import colab_notebook, colab_notebook_path  # noqa: E402
 
 PAGES = toc_pages(TOC)
@@ -141,7 +143,9 @@ def _key_page_screenshot(page: str, shown: dict, taken: dict[str, Path], prefix:
     return taken[name]
 
 
-@pytest.fixture(scope="session", params=EDITIONS)
+# The class edition is built by `make test-book`: its pages are checked in that tier.
+@pytest.fixture(scope="session", params=[pytest.param(edition, marks=[pytest.mark.book] if edition == "class" else [])
+                                         for edition in EDITIONS])
 def site(request):
     """Every page of the table of contents, loaded once in headless Chromium from a local server."""
     edition, html = request.param, EDITIONS[request.param]
