@@ -26,15 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from autograde.grading.session import catalogue, max_score
 from autograde.registry import EXERCISES
+from autograde.submission import extract, forbidden
 from tests.fixtures import attacks
 from tests.fixtures.attacks import EXERCISE, STUDENTS, SUBMISSIONS, UNCONTAINED, WORKED
-from tests.fixtures.notebooks import ROOT, SEED
+from tests.fixtures.notebooks import ROOT, SEED, learner_notebook
 
 pytestmark = [
+    pytest.mark.xdist_group("autograde_attacks"),  # its module's fixtures made once
     pytest.mark.slow,
     pytest.mark.timeout(600),
     # Without root the grader degrades by design (no namespaces, the grader's own uid) and says so;
@@ -286,3 +289,80 @@ def test_edits_to_nbgrader_cells_are_reported_beside_the_grade(attacked):
     edited = [r["finding"] for r in findings if student_of(r["student"]) == "edits-nbgrader-metadata"]
     assert any("has its nbgrader metadata changed (points" in finding for finding in edited), findings
     assert "ada" not in {student_of(r["student"]) for r in findings}
+
+
+# The review scan: reflection and concurrency shown to a person, each with why; right answers never.
+
+@pytest.mark.parametrize("line, evidence, why", [
+    ("    f = vars(F)['soft' + 'max']", "vars(...)", "namespace read or changed by key"),
+    ("    f = F.__dict__['softmax']", "F.__dict__", "namespace read or changed by key"),
+    ("    f = globals()['F']", "globals(...)", "namespace read or changed by key"),
+    ("    f = getattr(torch, '_C')", "getattr(...)", "a private one"),
+    ("    f = getattr(q, '_base')", "getattr(...)", "a private one"),
+    ("    setattr(F, 'softmax', print)", "setattr(...)", "a library's function replaced"),
+    ("    delattr(torch, 'softmax')", "delattr(...)", "a library's function replaced"),
+    ("    f = getattr", "getattr under another name", "a name the scan does not read"),
+    ("    import gc", "gc", "the grader's tripwire included"),
+    ("    import threading", "threading", "calling thread"),
+    ("    import _thread", "_thread", "calling thread"),
+    ("    from concurrent.futures import ThreadPoolExecutor", "concurrent.futures.ThreadPoolExecutor",
+     "calling thread"),
+    ("    import multiprocessing", "multiprocessing", "another process"),
+    ("    f = torch.multiprocessing.Pool", "torch.multiprocessing.Pool", "another process"),
+    ("    import subprocess", "subprocess", "another process"),
+    ("    f = os.fork", "os.fork", "another process"),
+    ("    import inspect", "inspect", "frames and code objects"),
+    ("    from types import FunctionType", "types.FunctionType", "from code objects"),
+    ("    from operator import attrgetter", "operator.attrgetter", "a name the scan does not read"),
+    ("    f = operator.methodcaller('softmax', -1)", "operator.methodcaller", "a name the scan does not read"),
+    ("    f = sys._getframe().f_back.f_locals", ".f_locals", "frames and code objects"),
+    ("    f = q.__class__.__subclasses__()", "q.__class__.__subclasses__", "frames and code objects"),
+])
+def test_the_review_scan_shows_reflection_and_concurrency_with_why(line, evidence, why):
+    cells = [("cell 1", "import os\nimport operator\nimport sys\nimport torch\nimport torch.nn.functional as F\n"),
+             ("cell 2", f"def causal_mask(L, S=None, device=None):\n    return helper(L)\ndef helper(q):\n{line}\n")]
+    [found] = forbidden.review(cells, EXERCISE)
+    assert found.name.startswith(evidence + ":") and why in found.name, found
+    assert found.where == f"cell 2, line 4: `{line.strip()}`"
+
+
+def test_the_review_scan_reads_what_runs_at_import_and_changes_objects():
+    """A library's function replaced when the notebook runs, by code no graded function reaches."""
+    cells = [("cell 1", "import torch\nimport importlib\n"),
+             ("cell 2", "def patched(*args):\n    return importlib.import_module('torch').matmul(*args)\n"
+                        "torch.Tensor.__matmul__ = patched\n")]
+    [found] = forbidden.review(cells, EXERCISE)
+    assert found.name.startswith("importlib:") and found.where == "cell 1, line 2: `import importlib`"
+
+
+def right_answers() -> list:
+    """Every right answer of the test suite: the fixtures' and each exercise test module's."""
+    from tests import (
+        test_exercise_flash,
+        test_exercise_gqa_kv_cache,
+        test_exercise_rope_mla,
+        test_exercise_split_kv_paged_kv,
+    )
+    from tests.fixtures import implementations
+    modules = (test_exercise_flash, test_exercise_gqa_kv_cache, test_exercise_rope_mla,
+               test_exercise_split_kv_paged_kv)
+    found = [*implementations.SDPA_RIGHT, *implementations.MHA_RIGHT, *test_exercise_flash.PART_OF_WHAT_A_LAUNCH_STORED]
+    return found + [variant for module in modules for variant in module.RIGHT]
+
+
+def test_no_solution_and_no_right_answer_is_shown_for_review():
+    flagged = {}
+    answers = [(exercise.id, None) for exercise in EXERCISES.values()] + \
+        [(variant.exercise, variant) for variant in right_answers()]
+    for exercise_id, variant in answers:
+        source = learner_notebook(exercise_id, variant.answers if variant else None)
+        cells = [(cell.label, cell.source) for cell in extract.code_cells(source)]
+        exercise = EXERCISES[exercise_id]
+        found = forbidden.review(cells, exercise) + forbidden.scan_graded(cells, exercise)[0]
+        if found:
+            flagged[variant.name if variant else exercise_id] = [v.describe() for v in found]
+    assert len(answers) > len(EXERCISES) + 10 and not flagged, flagged
+    for exercise in EXERCISES.values():  # the solution notebooks themselves, every cell
+        solution = nbformat.read(ROOT / "solutions" / exercise.notebook, as_version=4)
+        cells = [(f"cell {i}", cell.source) for i, cell in enumerate(solution.cells) if cell.cell_type == "code"]
+        assert forbidden.review(cells, exercise) == [], exercise.id

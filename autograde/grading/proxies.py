@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import os
 import resource
+import secrets
 import socket
 import sys
 import tempfile
@@ -31,6 +32,9 @@ from autograde.sandbox import isolation, wire
 from autograde.sandbox.calls import LearnerCalls, callable_names
 from autograde.sandbox.observe import Failure, failure_from, observe
 from autograde.submission.forbidden import Tripwire, Violation
+
+# A call after which the worker's tripwire no longer stood (`Tripwire.intact`), or that said nothing of it.
+TRIPWIRE_GONE = "code that switched off or changed the not-allowed tripwire"
 
 GRACE = 10.0  # seconds the grading process waits past a call's own limit before it gives up on the worker
 
@@ -295,6 +299,9 @@ class SandboxedSubmission(_Proxy):
         self._channel.settimeout(seconds)
         try:
             message = self._reader.read()
+            while message is not None and "finding" in message:  # sent by the worker as it happened
+                self._found([Violation(*wire.strings(message["finding"], 2))])
+                message = self._reader.read()
         except socket.timeout:
             self._give_up(f"while it was running {self.doing} (no answer in time)")
             return None
@@ -339,7 +346,8 @@ class SandboxedSubmission(_Proxy):
         self.doing = f"{name}(...)"
         seconds = min(self.seconds, self.limits.case_seconds or self.seconds,
                       max(0.1, self._deadline - time.monotonic()))
-        request = {"call": name, "seconds": seconds,
+        probe = secrets.token_hex(8)
+        request = {"call": name, "seconds": seconds, "probe": probe,
                    "args": wire.encode_arguments(list(args), self._inputs, self._names),
                    "kwargs": wire.encode_arguments(kwargs, self._inputs, self._names)}
         try:
@@ -352,7 +360,9 @@ class SandboxedSubmission(_Proxy):
         if reply is None:
             raise LearnerFailed(Failure("not run", "", f"not run: the grading process ended {self.gone}"))
         try:
-            self.violations = [Violation(*wire.strings(item, 2)) for item in wire.entries(reply, "violations")]
+            self._found([Violation(*wire.strings(item, 2)) for item in wire.entries(reply, "violations")])
+            if reply.get("probe") != probe and all(v.name != TRIPWIRE_GONE for v in self.violations):
+                self._found([Violation(TRIPWIRE_GONE, f"during {self.doing}")])
             if "failure" in reply:
                 raise LearnerFailed(Failure(*wire.strings(reply["failure"], 4)))
             return wire.decode_result(reply.get("result"), self._work / "out")
@@ -367,6 +377,10 @@ class SandboxedSubmission(_Proxy):
             else:
                 _remove_contents(out)
                 os.close(out)
+
+    def _found(self, violations: list[Violation]) -> None:
+        """Kept once found: a later reply cannot take a finding back."""
+        self.violations += [v for v in violations if v not in self.violations]
 
     def _kept_files(self, limit: int = 2**20) -> dict[str, bytes]:
         """The regular files at the top of the scratch folder (not links), each up to `limit` bytes."""

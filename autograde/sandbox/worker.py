@@ -7,10 +7,16 @@ then answers calls, one at a time, until told it is done: each call names an ada
 exercise's test module or one of the exercise's functions, with arguments in `in/`; the reply
 is what the call returned, observed (`observe.observe`) and written to `out/`, or how it
 failed. Everything this process sends is untrusted: the submission runs here.
+
+What the tripwire finds during a call, and a thread the notebook starts, is sent at once as a
+`finding` line, before the reply: learner code that empties the tripwire afterwards cannot take
+it back. Each reply carries the call's `probe` (a token of the grading process's, sent with
+the request) only if the tripwire still stood when the call ended (`Tripwire.intact`).
 """
 
 from __future__ import annotations
 
+import _thread
 import builtins
 import gc
 import itertools
@@ -18,6 +24,8 @@ import linecache
 import random
 import signal
 import socket
+import threading
+import traceback
 from pathlib import Path
 
 import numpy
@@ -25,9 +33,15 @@ import torch
 
 from autograde import registry
 from autograde.sandbox.calls import LearnerCalls
-from autograde.sandbox.observe import Failure, failure_from, observe
+from autograde.sandbox.observe import Failure, failure_from, learner_line, observe
 from autograde.sandbox.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
-from autograde.submission.forbidden import Tripwire
+from autograde.submission.forbidden import Tripwire, Violation
+
+# What a thread started by the notebook is reported as: the tripwire's function mode and the rules'
+# dispatch modes are thread-local, so work done in another thread escapes them.
+THREAD_STARTED = "a thread started during a call (the tripwire and the rules watch the calling thread alone)"
+THREAD_RUNNING = ("a thread the notebook started, running beside the tests' calls (the tripwire and the rules "
+                  "watch the calling thread alone)")
 
 
 class TimeLimit(BaseException):
@@ -67,6 +81,35 @@ def call_failure(exc: BaseException, seconds: float) -> Failure:
     return failure_from(exc)
 
 
+class Threads:
+    """The Python threads the notebook starts (`threading`, `concurrent.futures` and `_thread` all
+    start them through `_thread.start_new_thread`, replaced here before the first cell runs): one
+    started during a call is reported as it starts; one still running when a call starts or ends, by
+    `check`."""
+
+    def __init__(self):
+        self.report = None  # set once the channel is open; calls run only then
+        self.running: set[int] = set()
+        original = _thread.start_new_thread
+
+        def start_new_thread(function, args, kwargs=None):
+            def run(*args, **kwargs):
+                self.running.add(_thread.get_ident())
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self.running.discard(_thread.get_ident())
+            if self.report is not None:
+                self.report(Violation(THREAD_STARTED, learner_line(traceback.extract_stack())))
+            return original(run, args, kwargs or {})
+
+        _thread.start_new_thread = threading._start_new_thread = start_new_thread
+
+    def check(self) -> None:
+        if self.running and self.report is not None:
+            self.report(Violation(THREAD_RUNNING, ""))
+
+
 def main(folder: Path) -> None:
     job = read_json(folder / "job.json")
     exercise = registry.get(job["exercise"])
@@ -76,6 +119,7 @@ def main(folder: Path) -> None:
     for seeded in (random.seed, numpy.random.seed, torch.manual_seed):  # unseeded randomness repeats
         seeded(0)
     signal.signal(signal.SIGALRM, _alarm)
+    threads = Threads()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     failed_cells = []
     for number, source in job["cells"]:
@@ -93,23 +137,39 @@ def main(folder: Path) -> None:
     channel.connect("channel.sock")
     send_message(channel, {"ready": True, "cells": failed_cells,
                            "missing": [name for name in exercise.required if name not in namespace]})
-    calls, tripwire, names, reader = LearnerCalls(exercise, namespace), Tripwire(exercise.not_allowed), \
-        (f"r{n}" for n in itertools.count()), MessageReader(channel)
+    reported, sending = [], threading.Lock()  # a thread of the notebook's may report beside the reply
 
-    def observed_call(name, args, kwargs):
+    def report(violation: Violation) -> None:
+        """Sent at once, once: on the socket it is out of this process's reach."""
+        if violation not in reported:
+            reported.append(violation)
+            with sending:
+                send_message(channel, {"finding": [violation.name, violation.where]})
+
+    calls, tripwire, names, reader = LearnerCalls(exercise, namespace), Tripwire(exercise.not_allowed, report), \
+        (f"r{n}" for n in itertools.count()), MessageReader(channel)
+    threads.report = report
+
+    def observed_call(request: dict, reply: dict):
         with tripwire:
-            return observe(calls(name, args, kwargs))
+            try:
+                return observe(calls(request["call"], decode_arguments(request["args"], folder / "in"),
+                                     decode_arguments(request["kwargs"], folder / "in")))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)  # the alarm may not cut the check short
+                if tripwire.intact():
+                    reply["probe"] = request.get("probe")
 
     while (request := reader.read()) is not None and "call" in request:
-        seconds = request["seconds"]
+        seconds, reply = request["seconds"], {}
+        threads.check()
         try:
-            args = decode_arguments(request["args"], folder / "in")
-            kwargs = decode_arguments(request["kwargs"], folder / "in")
-            reply = {"result": encode_result(time_limited(seconds, observed_call, request["call"], args, kwargs),
-                                             out, names)}
+            reply["result"] = encode_result(time_limited(seconds, observed_call, request, reply), out, names)
         except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
             failure = call_failure(exc, seconds)
-            reply = {"failure": [failure.kind, failure.type_name, failure.message, failure.where]}
+            reply["failure"] = [failure.kind, failure.type_name, failure.message, failure.where]
+        threads.check()
         reply["violations"] = [[v.name, v.where] for v in tripwire.violations]
-        send_message(channel, reply)
+        with sending:
+            send_message(channel, reply)
     channel.close()

@@ -123,15 +123,18 @@ def _bound_names(statement: ast.stmt) -> list[str]:
 Parsed = list[tuple[str, list[str], ast.AST]]  # (label, lines, tree) of each cell
 
 
-def reachable(parsed: Parsed, roots: Iterable[str]) -> Parsed:
+def reachable(parsed: Parsed, roots: Iterable[str], also=lambda statement: False) -> Parsed:
     """The top-level statements that define `roots` and every name they use, transitively, as the
-    notebook leaves them (a later definition replaces an earlier one)."""
+    notebook leaves them (a later definition replaces an earlier one); and those for which `also` holds."""
     definitions: dict[str, list] = {}
+    found = []
     for label, lines, tree in parsed:
         for statement in tree.body:
             for name in _bound_names(statement):
                 definitions[name] = [(label, lines, statement)]
-    found, seen, waiting = [], set(), list(roots)
+            if also(statement):
+                found.append((label, lines, statement))
+    seen, waiting = set(), list(roots)
     while waiting:
         name = waiting.pop()
         if name in seen or name not in definitions:
@@ -156,9 +159,11 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
         (node, name) for name in not_allowed for node in _uses(tree, name, torch_names)))
 
 
-def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds) -> list[Violation]:
+def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds,
+           also=lambda statement: False) -> list[Violation]:
     """What `finds(tree, torch_names)` yields as (node, name) in the parsable cells (in the code
-    `roots` reach, if given), one violation per line, in the notebook's order."""
+    `roots` reach, and the top-level statements `also` accepts, if given), one violation per line,
+    in the notebook's order."""
     parsed = []
     for label, source in cells:
         try:
@@ -168,7 +173,7 @@ def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds)
     torch_names = _torch_aliases(tree for _, _, tree in parsed)
     found: list[Violation] = []
     places: set[str] = set()
-    for label, lines, tree in parsed if roots is None else reachable(parsed, roots):
+    for label, lines, tree in parsed if roots is None else reachable(parsed, roots, also):
         for node, name in finds(tree, torch_names):
             where = f"{label}, line {node.lineno}: `{lines[node.lineno - 1].strip()}`"
             if where not in places:
@@ -191,11 +196,43 @@ def scan_graded(cells: Iterable[tuple[str, str]], exercise) -> tuple[list[Violat
     return graded, elsewhere
 
 
-# What honest attention code has no reason to touch, and what goes around the scan and the
-# tripwire: torch's private parts and dispatch machinery, the module table, importing or running
-# code from strings. Found in the code the graded functions reach, it is shown to the instructor.
+# What honest attention code has no reason to touch, and what goes around the scan, the tripwire
+# and the rules measured in the worker: torch's private parts and dispatch machinery, the module
+# table, namespaces read by key, reflection, other threads and processes, code from strings.
+# Found in the code the graded functions reach (or that runs at import and changes objects), it is
+# shown to the instructor, each construct with one line on why it matters.
 _MACHINERY = ("torch.ops", "torch.overrides", "torch.library", "torch.utils._python_dispatch")
-_RUNS_STRINGS = {"exec", "eval", "compile", "__import__"}
+_TORCH_INTERNALS = "torch's private parts and dispatch machinery can switch off the tripwire and the rules' modes"
+_THREADS = "work in another thread escapes the tripwire's mode and the rules, which watch the calling thread"
+_PROCESSES = "work in another process escapes the tripwire and the rules measured in this one"
+_FRAMES = "frames and code objects reach the grader's own objects in the process, the tripwire included"
+_NAMESPACES = "a namespace read or changed by key hands out functions under no name the scan reads"
+_BY_NAME = "an attribute fetched by a name the scan does not read, or a private one"
+_PATCHES = "changes an attribute of a module by name (a library's function replaced)"
+_STRINGS = "runs code the scan never reads"
+_MODULES = {  # imported, or used through an alias of the import
+    "importlib": "imports a module by a name built at run time, around the scan",
+    "ctypes": "calls C directly, around torch, the tripwire and the rules",
+    "gc": "the garbage collector hands out every object of the process, the grader's tripwire included",
+    "threading": _THREADS, "_thread": _THREADS, "concurrent": _THREADS,
+    "multiprocessing": _PROCESSES, "subprocess": _PROCESSES,
+    "inspect": _FRAMES,
+    "builtins": "hands out getattr, __import__ and the other builtins under names the scan does not read",
+}
+_SYS = {"sys.modules": "the module table hands out any module, under no name the scan reads",
+        "sys._getframe": _FRAMES, "sys._current_frames": _FRAMES, "sys.settrace": _FRAMES, "sys.setprofile": _FRAMES}
+_CODE = "builds functions, modules or frames from code objects, around the scan"
+_OTHER_CALLS = {"os.fork": _PROCESSES, "os.forkpty": _PROCESSES, "os.posix_spawn": _PROCESSES,
+                "operator.attrgetter": _BY_NAME, "operator.methodcaller": _BY_NAME,
+                **{f"types.{kind}": _CODE for kind in ("FunctionType", "LambdaType", "CodeType", "ModuleType",
+                                                       "MethodType", "CellType", "FrameType", "TracebackType")}}
+_REFLECTIVE_ATTRIBUTES = {"__dict__": _NAMESPACES, "__globals__": _FRAMES, "__closure__": _FRAMES, "__code__": _FRAMES,
+                          "__builtins__": _NAMESPACES, "__subclasses__": _FRAMES, "tb_frame": _FRAMES,
+                          "f_back": _FRAMES, "f_locals": _FRAMES, "f_globals": _FRAMES, "f_builtins": _FRAMES,
+                          "gi_frame": _FRAMES, "cr_frame": _FRAMES, "ag_frame": _FRAMES}
+_BUILTINS = {"exec": _STRINGS, "eval": _STRINGS, "compile": _STRINGS, "__import__": _STRINGS,
+             "vars": _NAMESPACES, "globals": _NAMESPACES, "locals": _NAMESPACES,
+             "getattr": _BY_NAME, "setattr": _PATCHES, "delattr": _PATCHES}
 
 
 def _torch_internal(dotted: str, torch_names: set[str]) -> bool:
@@ -207,27 +244,103 @@ def _torch_internal(dotted: str, torch_names: set[str]) -> bool:
         any(named == m or named.startswith(m + ".") for m in _MACHINERY)
 
 
-def _internals(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, str]]:
+def _module_names(trees: Iterable[ast.AST]) -> dict[str, str]:
+    """Each name an import binds, with the module (or `module.name`) it is bound to."""
+    names = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update({(alias.asname or alias.name.split(".")[0]): (alias.name if alias.asname
+                              else alias.name.split(".")[0]) for alias in node.names})
+            elif isinstance(node, ast.ImportFrom):
+                names.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+    return names
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [f"{node.module}.{alias.name}" for alias in node.names]
+    return [alias.name for alias in node.names]
+
+
+def _flagged_name(name: str, torch_names: set[str], imported: bool = False) -> str | None:
+    """Why a dotted name (`imported`, or an attribute chain with its root resolved) needs a person, or None.
+    A module of `_MODULES` is shown where it is imported (which the code using it reaches)."""
+    if name.split(".")[:2] == ["torch", "multiprocessing"]:
+        return _PROCESSES
+    if _torch_internal(name, torch_names):
+        return _TORCH_INTERNALS
+    if name in _SYS or name in _OTHER_CALLS:
+        return _SYS.get(name) or _OTHER_CALLS[name]
+    return _MODULES.get(name.split(".")[0]) if imported else None
+
+
+def _private(name: ast.AST) -> bool:
+    return isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_")
+
+
+def _internals(tree: ast.AST, torch_names: set[str], modules: dict[str, str]) -> Iterable[tuple[ast.AST, str]]:
+    calls = {id(node.func): node for node in ast.walk(tree) if isinstance(node, ast.Call)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             dotted = _dotted(node)
-            if dotted and (dotted in ("sys.modules", "sys._getframe") or _torch_internal(dotted, torch_names)):
-                yield node, dotted
+            root, _, rest = (dotted or "").partition(".")
+            why = _REFLECTIVE_ATTRIBUTES.get(node.attr) or dotted and (
+                _flagged_name(dotted, torch_names) or root in modules and _flagged_name(f"{modules[root]}.{rest}",
+                                                                                        torch_names))
+            if why:
+                yield node, f"{dotted or '.' + node.attr}: {why}"
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            imported = [f"{node.module}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom) \
-                else [alias.name for alias in node.names]
-            yield from ((node, name) for name in imported
-                        if name.split(".")[0] in ("importlib", "ctypes") or _torch_internal(name, {"torch"}))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id in _RUNS_STRINGS or node.func.id == "getattr" and len(node.args) > 1 and \
-                    _root(node.args[0]) in torch_names and not isinstance(node.args[1], ast.Constant):
-                yield node, f"{node.func.id}(...)"
+            for name in _imported(node):
+                why = _flagged_name(name, {"torch"}, imported=True)
+                if why:
+                    yield node, f"{name}: {why}"
+        elif isinstance(node, ast.Name) and node.id in _BUILTINS and node.id not in modules and \
+                isinstance(node.ctx, ast.Load):
+            call = calls.get(id(node))
+            if call is None:
+                yield node, f"{node.id} under another name: {_BUILTINS[node.id]}"
+            elif node.id not in ("getattr", "setattr", "delattr"):
+                yield node, f"{node.id}(...): {_BUILTINS[node.id]}"
+            elif len(call.args) > 1:
+                target, name = _root(call.args[0]), call.args[1]
+                on_module = target in modules or target in torch_names
+                if _private(name) or on_module and (node.id != "getattr" or not isinstance(name, ast.Constant)):
+                    yield node, f"{node.id}(...): {_BUILTINS[node.id]}"
+
+
+def _changes_objects_at_import(statement: ast.stmt) -> bool:
+    """A top-level statement that runs when the notebook does and changes an object the graded code may
+    use: an assignment to an attribute or an item (`torch.matmul = ...`), or a call of setattr."""
+    for node in ast.walk(statement):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            return True
+    return False
 
 
 def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
-    """Dynamic access to torch's internals in the code the exercise's functions reach: no rule is
-    broken by itself, but it can go around the tripwire and the rules, so a person should look."""
-    return _found(cells, exercise.required, _internals)
+    """Reflection, concurrency and torch's internals in the code the exercise's functions reach, or in
+    top-level code that changes objects when the notebook runs: no rule is broken by itself, but it
+    can go around the scan, the tripwire and the rules measured in the worker, so a person should look.
+    Each is named with the reason it matters."""
+    cells = list(cells)
+    parsed = []
+    for label, source in cells:
+        try:
+            parsed.append(ast.parse(source))
+        except SyntaxError:
+            continue
+    modules = _module_names(parsed)
+    patching = {name for tree in parsed for statement in tree.body if _changes_objects_at_import(statement)
+                for name in _names_in(statement)}
+    return _found(cells, [*exercise.required, *patching], lambda tree, torch_names: _internals(
+        tree, torch_names, modules), also=_changes_objects_at_import)
+
+
+def _names_in(statement: ast.stmt) -> set[str]:
+    return {node.id for node in ast.walk(statement) if isinstance(node, ast.Name)}
 
 
 def resolve(name: str):
@@ -269,16 +382,50 @@ def operators(not_allowed: Iterable[str]) -> dict:
     return found
 
 
+# A call of one operator of each kind the tripwire replaces, to see that it still stops them.
+_PROBES = {
+    "torch.nn.functional.scaled_dot_product_attention":
+        lambda: torch.ops.aten._scaled_dot_product_attention_math(*[torch.zeros(1, 1, 1)] * 3),
+    "torch.softmax": lambda: torch.ops.aten._softmax(torch.zeros(1), 0, False),
+}
+
+
 class Tripwire(TorchFunctionMode):
     """While active, a call of a not-allowed torch function, or of an operator underneath one, is
-    recorded and raises ForbiddenCall."""
+    recorded, handed to `report` at once (in the worker: sent to the grading process, so that
+    what learner code does afterwards cannot take it back) and raises ForbiddenCall."""
 
-    def __init__(self, not_allowed: Iterable[str]):
+    def __init__(self, not_allowed: Iterable[str], report=None):
         super().__init__()
         not_allowed = tuple(not_allowed)
         self.targets = {resolve(name): name for name in not_allowed}
+        self._installed_targets = tuple(self.targets.items())
         self.violations: list[Violation] = []
+        self.report = report
+        self._probes = [probe for name, probe in _PROBES.items() if name in not_allowed]
+        self._probing = False
         self._operators = _OperatorTripwire(self, operators(not_allowed))
+
+    def intact(self) -> bool:
+        """Whether, while entered, it still stands as it was installed: on the stack of function modes,
+        its targets unchanged, and the operators' kernels still replaced (a call of each kind stops)."""
+        if not (any(mode is self for mode in torch.overrides._get_current_function_mode_stack())
+                and tuple(self.targets.items()) == self._installed_targets):
+            return False
+        self._probing = True
+        try:
+            with torch._C.DisableTorchFunction():
+                for probe in self._probes:
+                    try:
+                        probe()
+                    except ForbiddenCall:
+                        continue
+                    except Exception:
+                        return False
+                    return False
+        finally:
+            self._probing = False
+        return True
 
     def __enter__(self):
         self._operators.__enter__()
@@ -295,9 +442,12 @@ class Tripwire(TorchFunctionMode):
             self._operators.__exit__(*exc_info)
 
     def stop(self, name: str):
-        violation = Violation(name, learner_line(traceback.extract_stack()))
-        if violation not in self.violations:
-            self.violations.append(violation)
+        if not self._probing:
+            violation = Violation(name, learner_line(traceback.extract_stack()))
+            if violation not in self.violations:
+                self.violations.append(violation)
+                if self.report is not None:
+                    self.report(violation)
         raise ForbiddenCall(f"{name} is not allowed in this exercise")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
