@@ -93,10 +93,17 @@ def assert_same(got: Any, expected: Any, inputs: Inputs | None = None, like: Any
     first = like if like is not None else (inputs.first_tensor() if inputs is not None else None)
     dtype = str(first.dtype) if first is not None else "torch.float32"
     device = first.device.type if first is not None else "cpu"
-    problems = _problems("", got, expected, dtype, device) if not isinstance(expected, dict) else [
-        p for name, want in expected.items() if name not in ignore
-        for p in ([f"`{name}`: missing from the result"] if not isinstance(got, dict) or name not in got
-                  else _problems(name, got[name], want, dtype, device))]
+
+    def differences(got: Any, expected: Any) -> list[str]:
+        return _problems("", got, expected, dtype, device) if not isinstance(expected, dict) else [
+            p for name, want in expected.items() if name not in ignore
+            for p in ([f"`{name}`: missing from the result"] if not isinstance(got, dict) or name not in got
+                      else _problems(name, got[name], want, dtype, device))]
+
+    problems = differences(got, expected)
     if problems:
+        from autograde import misconceptions  # imported late: it reaches the solutions and the sandbox's calls
+
         lines = [f"inputs: {inputs.describe()}"] if inputs is not None else []
-        raise AssertionError("\n".join(lines + problems))
+        cause = misconceptions.diagnose(got, expected, differences)
+        raise AssertionError("\n".join(lines + problems + ([f"likely cause: {cause}"] if cause else [])))

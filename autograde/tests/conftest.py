@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from autograde import registry
+from autograde import misconceptions, registry
 from autograde.cases import Draw, Inputs, submission_seed, submitter_of, test_seed
 from autograde.grading.compare import CaseResult
-from autograde.grading.proxies import LearnerFailed
+from autograde.grading.proxies import LearnerFailed, _Proxy
 from autograde.grading.session import (
     SESSIONS_KEY,
     Session,
@@ -175,9 +175,30 @@ def submission(request, exercise):
     return proxy
 
 
+class _Recorded(_Proxy):
+    """The reference, its calls recorded for the misconceptions a visible test's failure may name."""
+
+    def __init__(self, reference: _Proxy):
+        super().__init__(reference.exercise)
+        self._reference = reference
+
+    def call(self, name: str, args: tuple, kwargs: dict):
+        result = self._reference.call(name, args, kwargs)
+        misconceptions.recorded(name, args, kwargs, result)
+        return result
+
+
 @pytest.fixture
 def reference(request, exercise):
-    return _session(request.config, exercise).reference()
+    own = _session(request.config, exercise).reference()
+    if request.node.get_closest_marker("hidden") is not None:
+        yield own
+        return
+    token = misconceptions.record(misconceptions.Recorder(exercise.id))
+    try:
+        yield _Recorded(own)
+    finally:
+        misconceptions.stop(token)
 
 
 @pytest.fixture

@@ -1,0 +1,239 @@
+"""Known misconceptions, named when a visible test fails: "your output equals attention scaled by
+1/d instead of 1/√d".
+
+Each misconception is a wrong version of some of an exercise's functions, made from the
+solution's own (`overrides`: a function of the solution's function), so that this module holds
+no answer of its own. When a visible test's `assert_same` fails, the grading process (never the
+learner's) makes the test's reference calls again, in float64, on the solution cells with the
+misconception's functions in place, and holds the learner's result against that: when it agrees
+where the reference's did not, the failure names the misconception. Adapters run as they do on
+the reference, so a misconception in `split_heads` shows in `MultiHeadAttention`'s output too.
+
+Only where the course's solutions are (the instructor's grader, `check()` in the course's own
+folder): a class's copy without `solutions/` names none.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from autograde import course
+from autograde.sandbox.observe import TensorValue
+
+
+@dataclass(frozen=True, eq=False)
+class Misconception:
+    exercise: str
+    name: str
+    says: str  # what the learner's output equals, in the course's words
+    # function name -> the wrong function, made from the solution's function of that name
+    overrides: Mapping[str, Callable[[Callable], Callable]]
+
+
+# Wrong versions made from the solution's functions.
+
+def _queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
+    """Attention whose scores are scaled by 1/√d times `factor(d)` (the solution divides by √d)."""
+    def wrong(attention):
+        def scaled(q, k, v, mask=None):
+            return attention(q * factor(q.shape[-1]), k, v, mask)
+        return scaled
+    return wrong
+
+
+def _mask_inverted(attention):
+    def inverted(q, k, v, mask=None):
+        if mask is None:
+            return attention(q, k, v)
+        _, weights = attention(q, k, v, ~mask)
+        # Read so, a row of True has no key left: its softmax is of -inf alone, NaN. The contract's
+        # fully masked rows (no True) stay zeroed, as the learner's own code still reads them.
+        weights = weights.masked_fill(mask.all(dim=-1, keepdim=True), math.nan)
+        weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+        return weights @ v, weights
+    return inverted
+
+
+def _softmax_over_queries(attention):
+    def over_queries(q, k, v, mask=None):
+        # The solution's weights of the keys attending to the queries: a softmax over the queries.
+        _, transposed = attention(k, q, q, None if mask is None else mask.transpose(-2, -1))
+        weights = transposed.transpose(-2, -1)
+        return weights @ v, weights
+    return over_queries
+
+
+def _top_left_causal_mask(causal_mask):
+    def top_left(L, S=None, device=None):
+        return torch.ones(L, L if S is None else S, dtype=torch.bool, device=device).tril()
+    return top_left
+
+
+def _split_without_transpose(split_heads):
+    def without_transpose(x, num_heads):
+        split_heads(x, num_heads)  # its ValueError, where the width does not divide
+        batch, tokens, width = x.shape
+        return x.reshape(batch, num_heads, tokens, width // num_heads)
+    return without_transpose
+
+
+def _merge_without_transpose(merge_heads):
+    def without_transpose(x):
+        batch, heads, tokens, head_dim = x.shape
+        return x.reshape(batch, tokens, heads * head_dim)
+    return without_transpose
+
+
+def _query_and_key_swapped(load_torch_mha):
+    def swapped(module, torch_mha):
+        loaded = load_torch_mha(module, torch_mha)
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                q, k = getattr(loaded.q_proj, name), getattr(loaded.k_proj, name)
+                if q is not None:
+                    held = q.clone()
+                    q.copy_(k)
+                    k.copy_(held)
+        return loaded
+    return swapped
+
+
+def _tiled_kv(repeat_kv):
+    def tiled(x, n_rep):
+        repeat_kv(x, n_rep)  # its checks
+        return x.repeat(1, n_rep, 1, 1)
+    return tiled
+
+
+MISCONCEPTIONS: tuple[Misconception, ...] = (
+    Misconception("sdpa", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
+                  {"scaled_dot_product_attention": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("sdpa", "not-scaled", "attention without the 1/√d scaling",
+                  {"scaled_dot_product_attention": _queries_scaled(math.sqrt)}),
+    Misconception("sdpa", "mask-inverted", "attention with the mask read the other way round (True = blocked); "
+                                           "in the contract True means the query may attend to the key",
+                  {"scaled_dot_product_attention": _mask_inverted}),
+    Misconception("sdpa", "softmax-over-queries", "attention with the softmax taken over the queries (dim=-2) "
+                                                  "instead of the keys (dim=-1): each row of weights must sum to 1",
+                  {"scaled_dot_product_attention": _softmax_over_queries}),
+    Misconception("sdpa", "top-left-causal-mask", "a causal mask aligned top-left (tril()) instead of bottom-right "
+                                                  "(tril(S - L)): with S > L the last query sees every key",
+                  {"causal_mask": _top_left_causal_mask}),
+    Misconception("mha", "split-without-transpose", "heads split by reshaping (B, T, H*d) straight to (B, H, T, d), "
+                                                    "without the transpose: each head mixes tokens",
+                  {"split_heads": _split_without_transpose}),
+    Misconception("mha", "merge-without-transpose", "heads merged by reshaping (B, H, T, d) straight to "
+                                                    "(B, T, H*d), without transposing back first",
+                  {"merge_heads": _merge_without_transpose}),
+    Misconception("mha", "not-scaled", "multi-head attention without the 1/√d scaling (d: the head's width)",
+                  {"scaled_dot_product_attention": _queries_scaled(math.sqrt)}),
+    Misconception("mha", "query-and-key-swapped", "the query and key projections swapped when loading "
+                                                  "nn.MultiheadAttention's in_proj (its order is q, k, v)",
+                  {"load_torch_mha": _query_and_key_swapped}),
+    Misconception("gqa", "kv-tiled", "key and value heads repeated as a block, x.repeat (h0, h1, h0, h1), instead "
+                                     "of each head n_rep times in a row, repeat_interleave (h0, h0, h1, h1)",
+                  {"repeat_kv": _tiled_kv}),
+    Misconception("gqa", "not-scaled", "grouped-query attention without the 1/√d scaling",
+                  {"scaled_dot_product_attention": _queries_scaled(math.sqrt)}),
+    Misconception("gqa", "scaled-by-d", "grouped-query attention scaled by 1/d instead of 1/√d",
+                  {"scaled_dot_product_attention": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
+)
+
+
+def of(exercise_id: str) -> list[Misconception]:
+    return [m for m in MISCONCEPTIONS if m.exercise == exercise_id]
+
+
+@functools.cache
+def _calls(misconception: Misconception):
+    """The exercise's calls on a fresh run of the solution cells, the misconception's functions in place."""
+    from autograde.grading import reference
+    from autograde.registry import EXERCISES
+    from autograde.sandbox.calls import LearnerCalls
+
+    exercise = EXERCISES[misconception.exercise]
+    names = reference.namespace.__wrapped__(exercise)  # not the reference's own (cached) namespace
+    for name, wrong in misconception.overrides.items():
+        names[name] = wrong(names[name])
+    return LearnerCalls(exercise, names)
+
+
+class Recorder:
+    """The reference calls of one visible test and what they returned, for `diagnose`."""
+
+    def __init__(self, exercise_id: str):
+        self.exercise_id = exercise_id
+        self.calls: list[tuple[str, tuple, dict, Any]] = []
+
+
+_recording: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("misconceptions", default=None)
+
+
+def record(recorder: Recorder | None) -> contextvars.Token:
+    """Make `recorder` the current test's (None: a test whose failures name no misconception)."""
+    return _recording.set(recorder)
+
+
+def stop(token: contextvars.Token) -> None:
+    _recording.reset(token)
+
+
+def recorded(name: str, args: tuple, kwargs: dict, result: Any) -> None:
+    recorder = _recording.get()
+    if recorder is not None:
+        recorder.calls.append((name, args, kwargs, result))
+
+
+def _pair(right: Any, wrong: Any, leaves: dict[int, TensorValue]) -> None:
+    """Map each tensor of the reference's result to the misconception's tensor in its place."""
+    if isinstance(right, TensorValue):
+        if not isinstance(wrong, TensorValue):
+            raise ValueError("not a tensor")
+        leaves[id(right)] = wrong
+    elif isinstance(right, dict):
+        if not isinstance(wrong, dict) or wrong.keys() != right.keys():
+            raise ValueError("other keys")
+        for key in right:
+            _pair(right[key], wrong[key], leaves)
+    elif isinstance(right, (list, tuple)):
+        if not isinstance(wrong, (list, tuple)) or len(wrong) != len(right):
+            raise ValueError("other lengths")
+        for a, b in zip(right, wrong):
+            _pair(a, b, leaves)
+
+
+def _substitute(expected: Any, leaves: dict[int, TensorValue]) -> Any:
+    if isinstance(expected, TensorValue):
+        return leaves.get(id(expected), expected)
+    if isinstance(expected, dict):
+        return {key: _substitute(value, leaves) for key, value in expected.items()}
+    if isinstance(expected, (list, tuple)):
+        return type(expected)(_substitute(value, leaves) for value in expected)
+    return expected
+
+
+def diagnose(got: Any, expected: Any, differences: Callable[[Any, Any], list[str]]) -> str | None:
+    """The misconception whose output `got` equals (`differences` finds none) where it differs from
+    `expected`, for the current test's reference calls; None if none matches, or none can be made here."""
+    recorder = _recording.get()
+    if recorder is None or not recorder.calls or not course.has_solutions():
+        return None
+    from autograde.grading.proxies import float_copy
+    from autograde.sandbox.observe import observe
+
+    for misconception in of(recorder.exercise_id):
+        leaves: dict[int, TensorValue] = {}
+        try:
+            for name, args, kwargs, result in recorder.calls:
+                _pair(result, observe(_calls(misconception)(name, float_copy(args), float_copy(kwargs))), leaves)
+        except Exception:  # a misconception that cannot make these calls explains nothing here
+            continue
+        if not differences(got, _substitute(expected, leaves)):
+            return f"your output equals {misconception.says}"
+    return None
