@@ -4,8 +4,10 @@ configuration, and works from wherever the course's notebooks are."""
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,3 +146,21 @@ def test_a_learner_installs_the_course_and_checks_a_notebook_anywhere(tmp_path: 
     shutil.rmtree(Path(site) / "autograde" / "released")
     [error] = run_notebook(python, [right + "\n" + check], empty)
     assert "pip install ." in error and "FAIL" not in error and error.count("expected values") == 1, error
+
+
+@pytest.mark.parametrize("page, start", [("README.md", "## For learners\n"),
+                                         ("book/intro.md", "### Setting up for the exercises\n")])
+def test_the_learners_set_up_installs_what_the_exercises_need_and_no_more(page: str, start: str):
+    text = (ROOT / page).read_text()
+    section = text[text.index(start):]
+    section = section[:section.index("\n#", len(start))] if "\n#" in section[len(start):] else section
+    installs = [line for line in section.splitlines() if line.lstrip().startswith("pip install")]
+    assert "pip install .                    # the checks: torch, numpy, nbformat and pytest" in section
+    assert any("jupyterlab" in line for line in installs) and "jupyter lab exercises/" in section
+    assert not any(word in line for line in installs for word in ("-r ", "requirements", "[book", "[grade", "nbgrader",
+                                                                  "sphinx", "jupyter-book"))
+    assert 'check("sdpa")' in section and "hidden tests" in section
+    # what the section says `pip install .` brings is what pyproject.toml declares
+    declared = [r for r in importlib.metadata.requires("mha-derived") if "extra ==" not in r]
+    assert sorted(re.match(r"[a-z]+", requirement).group() for requirement in declared) == [
+        "nbformat", "numpy", "pytest", "torch"]
