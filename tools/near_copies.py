@@ -34,7 +34,7 @@ from pathlib import Path
 import jupytext
 
 TAG = "graded-answer"
-THRESHOLD = 0.8
+THRESHOLD = 0.7
 MIN_RUN = 6
 MIN_TOKENS = 60
 ROOT = Path(__file__).resolve().parents[1]
