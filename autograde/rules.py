@@ -35,6 +35,7 @@ import torch
 from torch.utils import _python_dispatch, _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autograde import triton_interpreter
 from autograde.sandbox.observe import ContractError
 
 # The matrix products of FlopCounterMode's table; its attention and convolution entries have no place here.
@@ -120,6 +121,7 @@ class TritonLaunches:
             from triton.runtime.jit import JITFunction
         except ImportError:
             raise ContractError("Triton is not installed: `pip install triton`") from None
+        triton_interpreter.install()
         self.count = 0
         self.written: list[torch.Tensor] = []
         self._originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
