@@ -19,6 +19,7 @@ from autograde.grading.proxies import LocalSubmission, SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
+from autograde.sandbox.worker import THREAD_STARTED
 from autograde.submission import extract
 from tests.fixtures.implementations import FULL_MATRIX_FORWARD
 from tests.fixtures.notebooks import answer, learner_notebook
@@ -227,6 +228,47 @@ def test_a_process_started_and_ended_during_the_call_fails_it():
     results = names(measured("flash_forward", {"flash_attention_forward": TILED + FORKS_IN_THE_CALL}))
     points, problems = results["whole-scores-measured-from-outside"]
     assert points == 0 and "a process of yours ended or started during the call" in problems[-1], results
+
+
+# The hand-written backward replaced by autograd over plain attention, run in a thread where the
+# modes that measure the rules inside the process (thread-local) do not look.
+AUTOGRAD_IN_A_THREAD = '''
+import threading
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):
+    grads = {}
+
+    def work():
+        with torch.enable_grad():
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            scores = leaves[0] @ leaves[1].transpose(-2, -1) / math.sqrt(q.shape[-1])
+            if causal:
+                L, S = scores.shape[-2:]
+                scores = scores.masked_fill(torch.arange(S) > torch.arange(L)[:, None] + (S - L), -math.inf)
+            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            grads["all"] = torch.autograd.grad((weights / weights.sum(dim=-1, keepdim=True)) @ leaves[2], leaves,
+                                               dout.double())
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    return tuple(grad.to(q.dtype) for grad in grads["all"])
+'''
+
+
+@pytest.mark.slow
+def test_work_in_a_thread_costs_the_exercise():
+    """A thread started during a call is reported by the worker as it starts: not allowed."""
+    exercise = registry.get("flash_backward")
+    cells = extract.code_cells(learner_notebook("flash_backward", {"flash_attention_backward": AUTOGRAD_IN_A_THREAD}))
+    session = Session(exercise, lambda: SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS),
+                      hidden_seed=7)
+    session.run("test_backward_ragged", "test_backward_memory_rule")
+    assert [v.name for v in session.violations] == [THREAD_STARTED], session.violations
+    assert "worker.start()" in session.violations[0].where
+    points, problems = names(session.results)["backward-memory-rule"]
+    assert points > 0 and problems == ()  # gone around inside: its modes saw nothing of the thread
 
 
 WORK_TESTS = ("test_work_rule", "test_work_measured_from_outside")
