@@ -10,6 +10,7 @@ run leaves no control group of its submissions behind once it has resumed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -92,9 +93,28 @@ def interrupt_after(process: subprocess.Popen, out: Path, rows: int, how: signal
     return process.returncode
 
 
-def submission_groups() -> list[Path]:
-    """The control groups of submissions being graded by this test's graders (made inside its own)."""
-    return [group for parent in set(isolation.own_cgroups().values()) for group in parent.glob("autograde-[0-9]*")]
+def submission_groups() -> dict[Path, int]:
+    """The control groups of submissions inside this process's own groups (where its graders make
+    theirs, as other runs on this machine may): each with the pid of the fork server that made it."""
+    found = {}
+    for parent in set(isolation.own_cgroups().values()):
+        for group in parent.glob("autograde-*"):
+            made_by = re.fullmatch(r"autograde-(\d+)-\d+", group.name)
+            if made_by:
+                found[group] = int(made_by.group(1))
+    return found
+
+
+def groups_left(before: dict[Path, int]) -> list[Path]:
+    """The groups made since `before` whose fork server has gone: what a run that has ended left."""
+    return [group for group, server in submission_groups().items()
+            if group not in before and not Path(f"/proc/{server}").exists()]
+
+
+def graded_by(process: subprocess.Popen) -> list[Path]:
+    """The groups of the submissions that `process`'s fork servers are grading now."""
+    servers = set(descendants(process.pid))
+    return [group for group, server in submission_groups().items() if server in servers]
 
 
 def descendants(pid: int) -> list[int]:
@@ -207,13 +227,14 @@ def test_a_signal_at_any_moment_changes_no_grade(small_class, tmp_path, jobs, mo
     submitted, whole, environment = small_class
     out = tmp_path / "out"
     hook = (moment.removesuffix("-write"), how, 2) if moment.endswith("-write") else None
+    groups_before = submission_groups()
     process = grade(submitted, out, jobs=jobs, hook=hook, env=environment)
     if moment == "start-up":  # as the grading processes and their fork servers start
         _wait(lambda: (out / journal.FILE).exists(), process, "journal")
         time.sleep(1)
         process.send_signal(how)
     elif moment in ("mid-notebook", "killed"):  # every process of the run, as a job scheduler signals
-        _wait(lambda: len(recorded(out)) >= 2 and submission_groups(), process, "notebook in its sandbox")
+        _wait(lambda: len(recorded(out)) >= 2 and graded_by(process), process, "notebook in its sandbox")
         for pid in [process.pid, *descendants(process.pid)]:
             try:
                 os.kill(pid, how)
@@ -226,7 +247,7 @@ def test_a_signal_at_any_moment_changes_no_grade(small_class, tmp_path, jobs, mo
     else:
         assert process.returncode == 128 + how, stderr[-3000:]
         assert f"interrupted by {how.name}" in stderr
-        assert not submission_groups()  # the run's fork servers removed theirs as they stopped
+        assert not groups_left(groups_before)  # the run's fork servers removed theirs as they stopped
     assert len(rows) < 2 * SMALL_CLASS and not (out / "grades.csv").exists()
     if moment == "before-write":
         assert len(rows) == 1
@@ -236,7 +257,7 @@ def test_a_signal_at_any_moment_changes_no_grade(small_class, tmp_path, jobs, mo
     _, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stderr[-3000:]
     assert (out / "grades.csv").read_text() == (whole / "grades.csv").read_text()
-    assert not submission_groups()  # even those of a run killed outright, removed as the next one started
+    assert not groups_left(groups_before)  # even those of a run killed outright, removed as the next one started
 
 
 def test_a_grade_that_comes_back_after_a_signal_is_not_recorded(tmp_path, monkeypatch):
