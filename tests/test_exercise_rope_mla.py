@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import nbformat
@@ -22,19 +20,18 @@ from autograde import rules
 from autograde.cases import Inputs
 from autograde.frontends import check as self_check
 from autograde.frontends.nbgrader import test_function as function_of_test
-from autograde.grading import batch, reference
+from autograde.grading import reference
 from autograde.grading.session import catalogue
 from autograde.submission import extract
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
-    SEED,
-    answer,
     assert_loses_exactly,
     failed,
     grade_in_process,
     learner_notebook,
     on_every_seed,
+    replaced,
     sent_inputs,
 )
 
@@ -46,31 +43,7 @@ MLA_TESTS = exercises.module(exercises.get("mla"))
 SEEDS = (1, 2, 3, 5, 8, 13)  # the seeds on which every wrong answer must lose exactly its hidden tests
 
 
-# End to end: the instructor's grader, in its sandboxed worker.
-
-def test_the_solutions_score_full_marks_and_the_releases_score_0(tmp_path: Path):
-    submitted = tmp_path / "submitted"
-    for assignment in ("positions", "latent"):
-        shutil.copytree(ROOT / "solutions" / assignment, submitted / "ada" / assignment)
-        shutil.copytree(ROOT / "exercises" / assignment, submitted / "bert" / assignment)
-    rows = batch.grade_all(submitted, SEED, jobs=2, assignments=["positions", "latent"], progress=False)
-    scores = {(student, g.exercise.id): (g.status, g.score, g.max_score) for student, g in rows}
-    assert scores == {
-        ("ada", "rope"): ("graded", 10, 10), ("ada", "mla"): ("graded", 10, 10),
-        ("bert", "rope"): ("graded", 0, 10), ("bert", "mla"): ("graded", 0, 10),
-    }
-
-
 # Wrong answers lose exactly the tests they break; right answers in other styles pass.
-
-def replaced(exercise_id: str, cell_id: str, *pairs: tuple[str, str]) -> str:
-    """The reference answer of a cell with each `old` replaced by `new` (each must occur)."""
-    source = answer(exercise_id, cell_id)
-    for old, new in pairs:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
 
 ROPE_CELL, ROTARY, ROPE_STEP = "apply_rope", "RotaryGroupedQueryAttention", "rope_decode_step"
 POSITIONS = fs(*(f"rope-position-shapes[positions {shape}]" for shape in ("(T,)", "(B, 1, T)", "(B, H, T)")))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -18,19 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.grading import batch, reference
+from autograde.grading import reference
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
-    SEED,
-    answer,
     failed,
     grade_in_process,
     graded_on_seed,
     learner_notebook,
     lost,
     on_every_seed,
+    replaced,
     sent_inputs,
 )
 
@@ -44,30 +41,7 @@ MERGE, SPLIT, APPEND, ATTENTION = "merge_attention_states", "split_kv_attention"
     "paged_attention"
 
 
-# End to end: the instructor's grader, in its sandboxed worker.
-
-def test_the_solutions_score_full_marks_and_the_release_scores_0(tmp_path: Path):
-    submitted = tmp_path / "submitted"
-    shutil.copytree(ROOT / "solutions" / "decoding", submitted / "ada" / "decoding")
-    shutil.copytree(ROOT / "exercises" / "decoding", submitted / "bert" / "decoding")
-    rows = batch.grade_all(submitted, SEED, jobs=2, assignments=["decoding"], progress=False)
-    scores = {(student, g.exercise.id): (g.status, g.score, g.max_score) for student, g in rows}
-    assert scores == {
-        ("ada", "split_kv"): ("graded", 10, 10), ("ada", "paged_kv"): ("graded", 10, 10),
-        ("bert", "split_kv"): ("graded", 0, 10), ("bert", "paged_kv"): ("graded", 0, 10),
-    }
-
-
 # Wrong answers lose exactly the tests they break; right answers in other styles pass.
-
-def replaced(exercise_id: str, cell_id: str, *pairs: tuple[str, str]) -> str:
-    """The reference answer of a cell with each `old` replaced by `new` (each must occur)."""
-    source = answer(exercise_id, cell_id)
-    for old, new in pairs:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
 
 def cases(test: str, table: dict[str, tuple], keep) -> frozenset[str]:
     """The report names of the cases of a parametrised test (`table`: id -> axes) whose axes `keep` accepts."""

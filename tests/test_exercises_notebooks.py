@@ -13,10 +13,10 @@ import pytest
 
 from autograde import registry as exercises
 from autograde.frontends import release
-from autograde.grading import expected
+from autograde.grading import batch, expected
 from autograde.grading.session import catalogue
 from autograde.sandbox.observe import TensorValue
-from tests.fixtures.notebooks import ROOT, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
+from tests.fixtures.notebooks import ROOT, SEED, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,6 +85,21 @@ def test_the_solution_passes_every_test_and_the_release_none(exercise):
     assert failed(solved) == set() and not violations
     untouched, _ = grade_in_process(exercise.id, learner_notebook(exercise.id, blank=True))
     assert failed(untouched) == set(untouched)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_through_the_sandbox_every_solution_scores_full_marks_and_every_release_0(tmp_path: Path):
+    """The instructor's grader on the whole course: every assignment's solutions and releases."""
+    submitted = tmp_path / "submitted"
+    assignments = sorted({exercise.assignment for exercise in EXERCISES})
+    for assignment in assignments:
+        shutil.copytree(ROOT / "solutions" / assignment, submitted / "ada" / assignment)
+        shutil.copytree(ROOT / "exercises" / assignment, submitted / "bert" / assignment)
+    rows = batch.grade_all(submitted, SEED, jobs=2, assignments=assignments, progress=False)
+    scores = {(student, g.exercise.id): (g.status, g.score, g.max_score) for student, g in rows}
+    assert scores == {(student, exercise.id): ("graded", score, 10)
+                      for student, score in (("ada", 10), ("bert", 0)) for exercise in EXERCISES}
 
 
 def test_the_mha_notebook_does_not_import_another_notebook():
