@@ -5,6 +5,14 @@ In a notebook: `from autograde import check; check("sdpa")`. For instructors:
 (see autograde/README.md).
 """
 
-from autograde.frontends.check import check
-
 __all__ = ["check"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, so that importing one layer (the fork server imports the sandbox)
+    # does not load the front ends, grading and pytest above it.
+    if name == "check":
+        from autograde.frontends.check import check
+
+        return check
+    raise AttributeError(f"module 'autograde' has no attribute {name!r}")
