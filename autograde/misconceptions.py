@@ -16,6 +16,7 @@ folder): a class's copy without `solutions/` names none.
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -111,6 +112,135 @@ def _tiled_kv(repeat_kv):
     return tiled
 
 
+def _new_tokens_only(step):
+    def new_only(module, x_new, cache=None):
+        return step(module, x_new)[0], step(module, x_new, cache)[1]
+    return new_only
+
+
+def _with_projections(change: Callable[[torch.nn.Module], None]) -> Callable[[Callable], Callable]:
+    """A decoding step on a copy of the module whose projections `change` altered."""
+    def wrong(step):
+        def on_a_copy(module, x_new, cache=None):
+            altered = copy.deepcopy(module)
+            with torch.no_grad():
+                change(altered)
+            return step(altered, x_new, cache)
+        return on_a_copy
+    return wrong
+
+
+def _biases_dropped(module) -> None:
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if getattr(module, name).bias is not None:
+            getattr(module, name).bias.zero_()
+
+
+def _queries_times_sqrt_d(module) -> None:  # scores times √d: as if they were not divided by it
+    for parameter in module.q_proj.parameters():
+        parameter.mul_(math.sqrt(module.head_dim))
+
+
+def _lse_as_max(merge):
+    def as_max(out_a, lse_a, out_b, lse_b):
+        return merge(out_a, lse_a, out_b, lse_b)[0], torch.maximum(lse_a, lse_b)
+    return as_max
+
+
+def _equal_weights(merge):
+    def equal(out_a, lse_a, out_b, lse_b):
+        both = torch.isfinite(lse_a) & torch.isfinite(lse_b)  # with one side empty, the other is the answer
+        out, lse = merge(out_a, lse_a, out_b, lse_b)
+        average = merge(out_a, torch.zeros_like(lse_a), out_b, torch.zeros_like(lse_b))[0]
+        return torch.where(both[..., None], average, out), lse
+    return equal
+
+
+def _kv_heads_tiled(attention):
+    """Query head i reads key and value head i mod H_kv (the heads repeated as a block) instead of i // group;
+    keys and values hold their heads in dimension 1, as the queries do."""
+    def tiled(q, k, v, *rest, **named):
+        times = [1] * k.dim()
+        times[1] = q.shape[1] // k.shape[1]
+        return attention(q, k.repeat(*times), v.repeat(*times), *rest, **named)
+    return tiled
+
+
+def _pages_sorted(attention):
+    def sorted_pages(q, k_pages, v_pages, block_table, seq_lens):
+        table = block_table.clone()
+        for row, length in enumerate(seq_lens.tolist()):
+            used = -(-length // k_pages.shape[2])
+            table[row, :used] = table[row, :used].sort().values
+        return attention(q, k_pages, v_pages, table, seq_lens)
+    return sorted_pages
+
+
+def _whole_last_page(attention):
+    def whole(q, k_pages, v_pages, block_table, seq_lens):
+        page_size = k_pages.shape[2]
+        return attention(q, k_pages, v_pages, block_table, -(-seq_lens // page_size) * page_size)
+    return whole
+
+
+def _at_last_cached_position(append):
+    def at_last(k_pages, v_pages, block_table, seq_lens, k_new, v_new):
+        return append(k_pages, v_pages, block_table, (seq_lens - 1).clamp(min=0), k_new, v_new)
+    return at_last
+
+
+def _other_layout(apply_rope):
+    def other(x, positions, base=10000.0, interleaved=False):
+        return apply_rope(x, positions, base, not interleaved)
+    return other
+
+
+def _positions_from_zero(apply_rope):
+    def from_zero(x, positions, base=10000.0, interleaved=False):
+        positions = torch.as_tensor(positions)
+        return apply_rope(x, positions - positions.reshape(-1)[0], base, interleaved)
+    return from_zero
+
+
+def _default_base(apply_rope):
+    def default(x, positions, base=10000.0, interleaved=False):
+        return apply_rope(x, positions, 10000.0, interleaved)
+    return default
+
+
+def _flash_queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
+    def wrong(forward):
+        def scaled(q, k, v, causal=False, block_q=64, block_k=64):
+            return forward(q * factor(q.shape[-1]), k, v, causal, block_q, block_k)
+        return scaled
+    return wrong
+
+
+def _flash_top_left(forward):
+    def top_left(q, k, v, causal=False, block_q=64, block_k=64):
+        if causal and k.shape[-2] > q.shape[-2]:  # query i sees keys 0 .. i: the first L keys, bottom-right
+            length = q.shape[-2]
+            return forward(q, k[..., :length, :], v[..., :length, :], True, block_q, block_k)
+        return forward(q, k, v, causal, block_q, block_k)
+    return top_left
+
+
+def _latent_scaled_without_rope_dim(module_class):
+    class ScaledByHeadDim(module_class):
+        """Scores divided by √head_dim instead of √(head_dim + rope_dim): the queries scaled to match."""
+
+        def forward(self, x, mask=None):
+            factor = math.sqrt((self.head_dim + self.rope_dim) / self.head_dim)
+            with torch.no_grad():
+                self.q_proj.weight.mul_(factor)
+            try:
+                return super().forward(x, mask)
+            finally:
+                with torch.no_grad():
+                    self.q_proj.weight.div_(factor)
+    return ScaledByHeadDim
+
+
 MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("sdpa", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
                   {"scaled_dot_product_attention": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
@@ -143,6 +273,59 @@ MISCONCEPTIONS: tuple[Misconception, ...] = (
                   {"scaled_dot_product_attention": _queries_scaled(math.sqrt)}),
     Misconception("gqa", "scaled-by-d", "grouped-query attention scaled by 1/d instead of 1/√d",
                   {"scaled_dot_product_attention": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("kv_cache", "new-tokens-only", "attention over the new tokens alone: the cached keys and values "
+                                                 "must be concatenated before the new queries attend to them",
+                  {"gqa_decode_step": _new_tokens_only}),
+    Misconception("kv_cache", "biases-dropped", "the projections applied without their biases "
+                                                "(x @ weight.T alone; call the module's nn.Linear layers)",
+                  {"gqa_decode_step": _with_projections(_biases_dropped)}),
+    Misconception("kv_cache", "not-scaled", "decoding attention without the 1/√head_dim scaling",
+                  {"gqa_decode_step": _with_projections(_queries_times_sqrt_d)}),
+    Misconception("rope", "other-layout", "RoPE rotating the pairs of the other layout (interleaved (0, 1), (2, 3) "
+                                          "against the two halves (i, i + d/2))",
+                  {"apply_rope": _other_layout}),
+    Misconception("rope", "positions-from-zero", "RoPE whose positions start at 0 at every step: the new tokens of "
+                                                 "a decoding step are at positions t .. t + n - 1, after the cache",
+                  {"apply_rope": _positions_from_zero}),
+    Misconception("rope", "default-base", "RoPE with the default base 10000, whatever base (rope_base) was given",
+                  {"apply_rope": _default_base}),
+    Misconception("rope", "not-scaled", "rotary attention without the 1/√d scaling",
+                  {"scaled_dot_product_attention": _queries_scaled(math.sqrt)}),
+    Misconception("split_kv", "lse-as-max", "a merged lse that is the larger of the two, max(lse_a, lse_b), instead "
+                                            "of log(exp(lse_a) + exp(lse_b))",
+                  {"merge_attention_states": _lse_as_max}),
+    Misconception("split_kv", "equal-weights", "states merged with equal weights, (out_a + out_b) / 2, instead of "
+                                               "weights exp(lse_a - lse) and exp(lse_b - lse)",
+                  {"merge_attention_states": _equal_weights}),
+    Misconception("split_kv", "kv-heads-tiled", "query head i reading key and value head i mod H_kv instead of "
+                                                "i // (H / H_kv) (repeat where repeat_interleave is meant)",
+                  {"split_kv_attention": _kv_heads_tiled}),
+    Misconception("paged_kv", "pages-sorted", "the sequence's pages read in the order of their numbers instead of "
+                                              "the order of its row of the block table",
+                  {"paged_attention": _pages_sorted}),
+    Misconception("paged_kv", "whole-last-page", "attention over every slot of the last page, past seq_lens[b]",
+                  {"paged_attention": _whole_last_page}),
+    Misconception("paged_kv", "kv-heads-tiled", "query head i reading key and value head i mod H_kv instead of "
+                                                "i // (H / H_kv) (repeat where repeat_interleave is meant)",
+                  {"paged_attention": _kv_heads_tiled}),
+    Misconception("paged_kv", "at-last-cached-position", "the new token written at position seq_lens[b] - 1, over "
+                                                         "the last cached token, instead of at seq_lens[b]",
+                  {"append_to_paged_cache": _at_last_cached_position}),
+    Misconception("flash_forward", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
+                  {"flash_attention_forward": _flash_queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("flash_forward", "not-scaled", "attention without the 1/√d scaling",
+                  {"flash_attention_forward": _flash_queries_scaled(math.sqrt)}),
+    Misconception("flash_forward", "top-left-causal", "a causal mask aligned top-left (key j <= query i) instead "
+                                                      "of bottom-right (j <= i + S - L)",
+                  {"flash_attention_forward": _flash_top_left}),
+    Misconception("mla", "other-layout", "RoPE rotating the pairs of the other layout (interleaved (0, 1), (2, 3) "
+                                         "against the two halves (i, i + d/2))",
+                  {"apply_rope": _other_layout}),
+    Misconception("mla", "default-base", "RoPE with the default base 10000, whatever rope_base was given",
+                  {"apply_rope": _default_base}),
+    Misconception("mla", "scaled-without-rope-dim", "scores divided by √head_dim instead of √(head_dim + rope_dim): "
+                                                    "the rotary part of each query and key counts in the width too",
+                  {"MultiHeadLatentAttention": _latent_scaled_without_rope_dim}),
 )
 
 

@@ -92,3 +92,11 @@ def test_the_inputs_line_has_one_format_and_no_name_of_the_tests_own(capsys):
     assert lines[1] == "q (2, 2, 5, 16) float32, k (2, 2, 7, 16) float32, v (2, 2, 7, 16) float32; no mask"
     adapters = registry.adapters(registry.get("sdpa"))
     assert not any(f"{name}(" in line for line in lines for name in adapters), lines
+
+
+def test_a_problem_two_checks_of_one_test_found_is_shown_once():
+    cause = "likely cause: your output equals attention scaled by 1/d instead of 1/√d"
+    result = CaseResult("forward-ragged", 1, True, "out and lse", "q (1, 2) float64", ("`out`: max abs error 1", cause,
+                                                                                      "`lse`: max abs error 2", cause))
+    assert [line.strip() for line in case_lines(result, details=True)[2:]] == [
+        "`out`: max abs error 1", cause, "`lse`: max abs error 2"]

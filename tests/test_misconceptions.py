@@ -12,10 +12,15 @@ from autograde.frontends.check import check
 from autograde.grading import reference
 from autograde.registry import EXERCISES
 from tests.fixtures.implementations import MHA_WRONG, SDPA_WRONG
+from tests.test_exercise_flash import WRONG as FLASH_WRONG
+from tests.test_exercise_gqa_kv_cache import WRONG as GQA_KV_WRONG
+from tests.test_exercise_rope_mla import MLA_WRONG, ROPE_WRONG
+from tests.test_exercise_split_kv_paged_kv import PAGED_WRONG, SPLIT_WRONG
 
 pytestmark = pytest.mark.timeout(300)
 
-DIAGNOSED = ("sdpa", "mha", "gqa")  # the exercises with misconceptions so far
+# The exercises with misconceptions so far (flash_backward and flash_triton have none yet).
+DIAGNOSED = ("sdpa", "mha", "gqa", "kv_cache", "rope", "mla", "flash_forward", "split_kv", "paged_kv")
 CAUSE = "likely cause: your output equals "
 
 
@@ -43,13 +48,19 @@ def test_each_diagnosed_exercise_has_at_least_three(exercise_id: str):
     assert len({m.name for m in misconceptions.of(exercise_id)}) >= 3
 
 
-@pytest.mark.parametrize("misconception", misconceptions.MISCONCEPTIONS, ids=lambda m: f"{m.exercise}-{m.name}")
+def tiered(exercise_id: str, *values) -> pytest.param:
+    """sdpa's in the fast tier; the others' (a second or more each) in the slow one."""
+    return pytest.param(*values, marks=() if exercise_id == "sdpa" else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("misconception", [tiered(m.exercise, m) for m in misconceptions.MISCONCEPTIONS],
+                         ids=lambda m: f"{m.exercise}-{m.name}")
 def test_each_misconception_is_named_for_its_own_wrong_answer_and_no_other(misconception):
     found = causes(checked(misconception.exercise, solution_with(misconception.exercise, misconception.overrides)))
     assert found == {misconception.says}
 
 
-@pytest.mark.parametrize("exercise_id", DIAGNOSED)
+@pytest.mark.parametrize("exercise_id", [tiered(exercise_id, exercise_id) for exercise_id in DIAGNOSED])
 def test_the_solution_is_never_diagnosed(exercise_id: str):
     output = checked(exercise_id, solution_with(exercise_id, {}))
     assert "FAIL" not in output and CAUSE not in output
@@ -61,12 +72,26 @@ NAMED = [("sdpa", SDPA_WRONG, "no-scaling", "not-scaled"),
          ("sdpa", SDPA_WRONG, "inverted-mask", "mask-inverted"),
          ("sdpa", SDPA_WRONG, "top-left-causal-mask", "top-left-causal-mask"),
          ("mha", MHA_WRONG, "split-heads-without-transpose", "split-without-transpose"),
-         ("mha", MHA_WRONG, "query-and-key-swapped-when-loading", "query-and-key-swapped")]
+         ("mha", MHA_WRONG, "query-and-key-swapped-when-loading", "query-and-key-swapped"),
+         ("gqa", GQA_KV_WRONG, "repeat-instead-of-repeat-interleave", "kv-tiled"),
+         ("kv_cache", GQA_KV_WRONG, "attends-to-the-new-tokens-only", "new-tokens-only"),
+         ("kv_cache", GQA_KV_WRONG, "projections-without-biases", "biases-dropped"),
+         ("rope", ROPE_WRONG, "pairs-of-the-other-layout", "other-layout"),
+         ("rope", ROPE_WRONG, "positions-not-offset-by-the-cache", "positions-from-zero"),
+         ("rope", ROPE_WRONG, "decoding-ignores-rope-base", "default-base"),
+         ("mla", MLA_WRONG, "scale-without-rope-dim", "scaled-without-rope-dim"),
+         ("flash_forward", FLASH_WRONG, "top-left-causal-mask", "top-left-causal"),
+         ("split_kv", SPLIT_WRONG, "query-head-i-reads-kv-head-i-mod-h-kv", "kv-heads-tiled"),
+         ("paged_kv", PAGED_WRONG, "pages-in-the-order-of-their-numbers", "pages-sorted"),
+         ("paged_kv", PAGED_WRONG, "attends-the-whole-last-page", "whole-last-page"),
+         ("paged_kv", PAGED_WRONG, "query-head-i-reads-kv-head-i-mod-h-kv", "kv-heads-tiled"),
+         ("paged_kv", PAGED_WRONG, "writes-at-the-last-cached-position", "at-last-cached-position")]
 
 
-@pytest.mark.parametrize("exercise_id, variants, variant, misconception", NAMED, ids=[n[2] for n in NAMED])
+@pytest.mark.parametrize("exercise_id, variants, variant, misconception", [tiered(n[0], *n) for n in NAMED],
+                         ids=[f"{n[0]}-{n[2]}" for n in NAMED])
 def test_a_wrong_answer_from_the_fixtures_is_named(exercise_id, variants, variant, misconception):
-    [wrong] = [v for v in variants if v.name == variant]
+    [wrong] = [v for v in variants if v.name == variant and v.exercise == exercise_id]
     names = solution_with(exercise_id, {})
     for source in wrong.answers.values():
         exec(source, names)

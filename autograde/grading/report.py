@@ -46,7 +46,7 @@ def case_lines(result: CaseResult, details: bool) -> list[str]:
     lines = [f"{mark}  {name:<34} {points(result.earned):>4}/{points(result.points):<4} {result.about}"]
     if details and not result.passed:
         lines.append(f"      inputs: {result.inputs}")
-        lines += [f"      {problem}" for problem in result.problems]
+        lines += [f"      {problem}" for problem in dict.fromkeys(result.problems)]  # a test's checks may repeat one
     return lines
 
 
@@ -182,7 +182,7 @@ def write_gradebooks(folder: Path, rows: list[tuple[str, Grade]]) -> None:
 
 def _markdown_problems(result: CaseResult) -> list[str]:
     return [f"**{result.name}**: {result.about}", "", f"- inputs: {result.inputs}",
-            *(f"- {problem}" for problem in result.problems), ""]
+            *(f"- {problem}" for problem in dict.fromkeys(result.problems)), ""]
 
 
 def feedback_html(student: str, markdown: str) -> str:
