@@ -18,7 +18,7 @@ from autograde.testing import adapters_of
 TESTS = Path(__file__).resolve().parent / "tests"
 # The course's order: the notebooks' order in the book. Exercises not listed come after, by name.
 ORDER = ("sdpa", "mha", "gqa", "kv_cache", "rope", "mla", "flash_forward", "flash_backward", "flash_triton",
-         "split_kv", "paged_kv")
+         "split_kv", "paged_kv", "window")
 
 
 def _load(path: Path) -> ModuleType:

@@ -80,8 +80,8 @@ def top_level_definitions(source: str) -> set[str]:
 
 
 CHAPTERS = sorted(path.stem for path in (ROOT / "book").glob("*.md") if "```{code-cell}" in path.read_text())
-DEFINITION = re.compile(r"^(?P<indent>[ \t]*)(?:def|class)[ \t]+(?P<name>\w+)[ \t]*\(", re.MULTILINE)
-LOOSE_DEFINITION = re.compile(r"\b(?:def|class)\s+(?P<name>\w+)\s*\(")
+DEFINITION = re.compile(r"^(?P<indent>[ \t]*)(?:def|class)[ \t]+(?P<name>\w+)[ \t]*[(:]", re.MULTILINE)
+LOOSE_DEFINITION = re.compile(r"\b(?:def|class)\s+(?P<name>\w+)\s*[(:]")
 PRE = re.compile(r"<pre\b[^>]*>(.*?)</pre>", re.DOTALL | re.IGNORECASE)
 
 

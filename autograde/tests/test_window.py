@@ -1,0 +1,334 @@
+"""`window`: sliding-window attention, a rolling KV cache and attention sinks.
+
+The mask is compared whole, for windows inside the sequence, of 1 key and at least as long as it,
+with as many queries as keys, fewer (after a cache: bottom-right aligned) and more (rows that see
+nothing). The attention is compared over the same axes, without sink logits and with ordinary,
+very negative (the sink takes nothing) and very positive ones (the keys keep almost nothing). The
+rolling cache is fed token by token and in chunks longer than its window, with and without sinks;
+what `keys_values()` returns after every append is compared, positions included. Its storage is
+measured in the learner's process from the tensors the cache object holds (its attributes, and the
+lists, tuples, dicts and objects they hold): their bytes after 10 windows of appends must be those
+of `sinks + window` slots of keys and values, in the same storages as after the first append. The
+hidden tests are parametrised by those axes, so that every graded run covers every value of each,
+in float32 and float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
+from autograde.sandbox.observe import ContractError, kind_of
+from autograde.testing import adapter, assert_same
+
+MASK, ATTENTION, CACHE = "sliding_window_mask", "windowed_attention", "RollingKVCache"
+HELD_BYTES, SAME_STORAGE = "bytes of the floating-point tensors the cache holds", \
+    "the same storage after every append"
+
+# The axes of the hidden tests (their values are the test ids).
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+WINDOWS = ("window inside the sequence", "window 1", "window >= S")
+QUERIES = ("L = S", "L < S (after a cache)", "L > S (rows that see nothing)")
+SINKS = ("no sink logits", "ordinary sink logits", "very negative sink logits", "very positive sink logits")
+MASK_CASES = {f"{window}, {queries}": (window, queries) for window in WINDOWS for queries in QUERIES}
+ATTENTION_CASES = {f"{window}, {queries}, {sinks}": (window, queries, sinks)
+                   for window in WINDOWS for queries in QUERIES for sinks in SINKS}
+CACHE_SINKS = ("no sinks", "sinks")
+CHUNKS = ("token by token", "chunks longer than the window")
+CACHE_WINDOWS = ("window 1", "window of several tokens")
+CACHE_CASES = {f"{sinks}, {chunks}, {window}, {dtype}": (sinks, chunks, window, dtype)
+               for sinks in CACHE_SINKS for chunks in CHUNKS for window in CACHE_WINDOWS for dtype in DTYPES}
+# Beyond any score of normal inputs of width <= 16 (|q.k| / sqrt(d) stays below 20 on such draws).
+EXTREME_SINK = 1000.0
+
+
+def held_tensors(root, depth: int = 0, seen: set | None = None) -> list[torch.Tensor]:
+    """The tensors an object holds: in its attributes and in the lists, tuples, dicts and objects they hold."""
+    seen = set() if seen is None else seen
+    if id(root) in seen or depth > 4:
+        return []
+    seen.add(id(root))
+    if isinstance(root, torch.Tensor):
+        return [root]
+    if isinstance(root, (list, tuple, set, frozenset)):
+        items = list(root)
+    elif isinstance(root, dict):
+        items = list(root.values())
+    elif hasattr(root, "__dict__") or hasattr(type(root), "__slots__"):
+        items = list(getattr(root, "__dict__", {}).values())
+        items += [getattr(root, name) for name in getattr(type(root), "__slots__", ()) if hasattr(root, name)]
+    else:
+        return []
+    return [tensor for item in items for tensor in held_tensors(item, depth + 1, seen)]
+
+
+def float_storages(cache) -> dict[int, int]:
+    """The floating-point storages the cache holds: their bytes, by address."""
+    return {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for tensor in held_tensors(cache) if tensor.is_floating_point()}
+
+
+def checked_kept(result, call: str, shape: tuple[int, ...]) -> tuple:
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise ContractError(f"{call} must return three values (k, v, positions); it returned {kind_of(result)}")
+    for name, value in zip(("k", "v", "positions"), result):
+        if not isinstance(value, torch.Tensor):
+            raise ContractError(f"{call} returned {name} that is {kind_of(value)}, not a tensor")
+    if tuple(result[0].shape) != shape:
+        raise ContractError(f"{call} returned k of shape {tuple(result[0].shape)}; expected {shape}")
+    return tuple(result)
+
+
+# Probes.
+
+@adapter
+def masks(functions, inputs: Inputs) -> dict:
+    return {f"{MASK}({L}, {S}, {window})": functions.sliding_window_mask(L, S, window)
+            for L, S, window in inputs["shapes"]}
+
+
+@adapter
+def attended(functions, inputs: Inputs) -> dict:
+    arguments = {name: inputs[name].clone() for name in ("q", "k", "v")}
+    sinks = inputs.get("sink_logits")
+    if sinks is None:
+        out = functions.windowed_attention(*arguments.values(), inputs["window"])
+    else:
+        out = functions.windowed_attention(*arguments.values(), inputs["window"], sink_logits=sinks.clone())
+    kept = all(torch.equal(value, inputs[name]) for name, value in arguments.items())
+    return {"out": out, f"{ATTENTION}(q, k, v, ...) leaves them unchanged": kept}
+
+
+@adapter
+def rolled(functions, inputs: Inputs) -> dict:
+    """A cache fed the case's tokens in its `chunks`, then in its `more` chunks: what keys_values() returns
+    after each of `chunks` and at the end (a reply holds 128 arrays at most), and the bytes and storages of
+    the floating-point tensors the cache holds at the end."""
+    k, v = inputs["k"], inputs["v"]
+    batch, kv_heads, _, head_dim = k.shape
+    window, sinks = inputs["window"], inputs["sinks"]
+    cache = functions.RollingKVCache(batch, kv_heads, window, head_dim, sinks=sinks, dtype=k.dtype)
+    outputs, start, storages, same = {}, 0, None, True
+    recorded = len(inputs["chunks"])
+    for index, size in enumerate(inputs["chunks"] + inputs["more"]):
+        cache.append(k[:, :, start:start + size].clone(), v[:, :, start:start + size].clone())
+        start += size
+        held = float_storages(cache)
+        storages = held if storages is None else storages
+        same = same and held == storages
+        if index < recorded or start == k.shape[2]:
+            call = f"keys_values() after {start} tokens"
+            kept = min(start, sinks + window)
+            keys, values, positions = checked_kept(cache.keys_values(), call, (batch, kv_heads, kept, head_dim))
+            outputs[call] = {"k": keys, "v": values, "positions": positions}
+    outputs[HELD_BYTES], outputs[SAME_STORAGE] = sum(float_storages(cache).values()), same
+    return outputs
+
+
+# Inputs.
+
+def window_for(draw: Draw, window: str, S: int) -> int:
+    if window == "window 1":
+        return 1
+    if window == "window >= S":
+        return draw.integer(S, S + 3)
+    return draw.integer(2, S - 1)
+
+
+def lengths_for(draw: Draw, queries: str) -> tuple[int, int]:
+    S = draw.integer(4, 9)
+    if queries == "L = S":
+        return S, S
+    if queries.startswith("L < S"):
+        return draw.integer(1, S - 1), S
+    return draw.integer(S + 1, S + 3), S
+
+
+def attention_values(draw: Draw, B: int, H: int, L: int, S: int, d: int, window: int, dtype,
+                     sinks: str = "no sink logits") -> dict:
+    values = {"q": draw.normal(B, H, L, d, dtype=dtype), "k": draw.normal(B, H, S, d, dtype=dtype),
+              "v": draw.normal(B, H, S, d, dtype=dtype), "window": window}
+    if sinks == "ordinary sink logits":
+        values["sink_logits"] = draw.normal(H, dtype=dtype, scale=2.0)
+    elif sinks == "very negative sink logits":
+        values["sink_logits"] = torch.full((H,), -EXTREME_SINK, dtype=dtype)
+    elif sinks == "very positive sink logits":
+        values["sink_logits"] = torch.full((H,), EXTREME_SINK, dtype=dtype)
+    return values
+
+
+def cache_values(draw: Draw, chunks: list[int], window: int, sinks: int, dtype, B: int = 2, H_kv: int = 2,
+                 d: int = 4, more: list[int] | None = None) -> dict:
+    """Tokens for `chunks`, recorded after each, then for `more`, recorded at the end only."""
+    more = more or []
+    T = sum(chunks) + sum(more)
+    return {"k": draw.normal(B, H_kv, T, d, dtype=dtype), "v": draw.normal(B, H_kv, T, d, dtype=dtype),
+            "window": window, "sinks": sinks, "chunks": chunks, "more": more}
+
+
+def chunks_text(chunks: list[int]) -> str:
+    return "token by token" if set(chunks) == {1} else f"chunks of {'+'.join(map(str, chunks))} tokens"
+
+
+# Visible cases.
+
+def mask_inputs(draw: Draw) -> Inputs:
+    return Inputs({"shapes": [(6, 6, 3), (3, 8, 3), (8, 5, 2), (5, 5, 1), (4, 4, 10), (2, 7, 7)]},
+                  "windows inside the sequence, of 1 and longer than it; L = S, L < S and L > S")
+
+
+def attention_inputs(draw: Draw) -> Inputs:
+    return Inputs(attention_values(draw, 2, 3, 7, 7, 8, 3, torch.float64), "L = S = 7, window 3, no sink logits")
+
+
+def cache_attention_inputs(draw: Draw) -> Inputs:
+    return Inputs(attention_values(draw, 2, 2, 3, 10, 8, 4, torch.float64),
+                  "3 queries after a cache: S = 10 keys, window 4 (bottom-right aligned), no sink logits")
+
+
+def sink_inputs(draw: Draw) -> Inputs:
+    values = attention_values(draw, 2, 3, 8, 6, 8, 3, torch.float32, sinks="ordinary sink logits")
+    return Inputs(values, "L = 8 > S = 6 (the first 2 rows see nothing), window 3, one sink logit per head")
+
+
+def rolling_inputs(draw: Draw) -> Inputs:
+    return Inputs(cache_values(draw, [1] * 9 + [3, 1], 4, 2, torch.float64),
+                  "window 4, 2 sinks, 9 tokens one by one then 3 then 1: the ring wraps")
+
+
+def storage_inputs(draw: Draw) -> Inputs:
+    window, sinks = 5, 2
+    chunks, more = [1] * 12 + [7, 1], [3] * 9 + [1] * 3
+    return Inputs(cache_values(draw, chunks, window, sinks, torch.float32, B=1, H_kv=2, d=8, more=more),
+                  f"window {window}, {sinks} sinks, float32: {sum(chunks) + sum(more)} tokens appended in ones and "
+                  "chunks")
+
+
+# Hidden cases.
+
+def mask_random_inputs(draw: Draw, window: str, queries: str) -> Inputs:
+    shapes = []
+    for _ in range(3):
+        L, S = lengths_for(draw, queries)
+        shapes.append((L, S, window_for(draw, window, S)))
+    return Inputs({"shapes": shapes}, f"{window}, {queries}")
+
+
+def attention_random_inputs(draw: Draw, window: str, queries: str, sinks: str) -> Inputs:
+    """In float64; the test casts them to float32 too."""
+    L, S = lengths_for(draw, queries)
+    B, H, d = draw.integer(1, 2), draw.integer(1, 4), draw.choice([4, 8, 16])
+    return Inputs(attention_values(draw, B, H, L, S, d, window_for(draw, window, S), torch.float64, sinks),
+                  f"{window}, {queries}, {sinks}")
+
+
+def cache_random_inputs(draw: Draw, sinks: str, chunks: str, window: str, dtype) -> Inputs:
+    size = 1 if window == "window 1" else draw.integer(2, 5)
+    count = 0 if sinks == "no sinks" else draw.integer(1, 3)
+    if chunks == "token by token":
+        pieces = [1] * (3 * size + count + draw.integer(1, 4))
+    else:
+        pieces = [draw.integer(size + 1, size + 4) for _ in range(draw.integer(2, 4))]
+    more = [1] * max(1, 10 * size - sum(pieces))  # then the storage is measured after 10 windows
+    return Inputs(cache_values(draw, pieces, size, count, dtype, B=draw.integer(1, 2), H_kv=draw.integer(1, 3),
+                               d=draw.choice([2, 4, 8]), more=more),
+                  f"window {size}, {count} sinks, {chunks_text(pieces)}, then {len(more)} more one by one")
+
+
+def storage_expected(inputs: Inputs) -> dict:
+    """What a cache of sinks + window slots of keys and values holds, in the case's dtype."""
+    batch, kv_heads, _, head_dim = inputs["k"].shape
+    slots = inputs["sinks"] + inputs["window"]
+    return {HELD_BYTES: 2 * batch * kv_heads * slots * head_dim * inputs["k"].element_size(), SAME_STORAGE: True}
+
+
+EXERCISE = Exercise(
+    id="window",
+    assignment="windows",
+    title="Sliding windows, a rolling cache and attention sinks",
+    required=(MASK, ATTENTION, CACHE),
+    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
+)
+
+
+# The tests.
+
+@pytest.mark.points(1.0)
+@pytest.mark.uses(MASK)
+def test_sliding_window_mask(submission, reference, draw):
+    """i + S - L - window < j <= i + S - L: windows of 1, inside and past the sequence, L = S, L < S, L > S"""
+    inputs = mask_inputs(draw)
+    assert_same(submission.masks(inputs), reference.masks(inputs), inputs)
+
+
+@pytest.mark.points(1.5)
+@pytest.mark.uses(ATTENTION)
+def test_windowed_attention(submission, reference, draw):
+    """each query attends the last `window` keys up to its own position"""
+    inputs = attention_inputs(draw)
+    assert_same(submission.attended(inputs), reference.attended(inputs), inputs)
+
+
+@pytest.mark.points(1.0)
+@pytest.mark.uses(ATTENTION)
+def test_windowed_attention_after_a_cache(submission, reference, draw):
+    """fewer queries than keys: the window is aligned bottom-right, ending at each query's position"""
+    inputs = cache_attention_inputs(draw)
+    assert_same(submission.attended(inputs), reference.attended(inputs), inputs)
+
+
+@pytest.mark.points(1.5)
+@pytest.mark.uses(ATTENTION)
+def test_sink_logits(submission, reference, draw):
+    """a sink logit per head joins each row's softmax with value 0; rows that see nothing give 0"""
+    inputs = sink_inputs(draw)
+    assert_same(submission.attended(inputs), reference.attended(inputs), inputs)
+
+
+@pytest.mark.points(1.5)
+@pytest.mark.uses(CACHE)
+def test_rolling_cache(submission, reference, draw):
+    """the sinks, then the last `window` tokens, in order of position, with their positions, after each append"""
+    inputs = rolling_inputs(draw)
+    assert_same(submission.rolled(inputs), reference.rolled(inputs), inputs, ignore=(HELD_BYTES, SAME_STORAGE))
+
+
+@pytest.mark.points(1.0)
+@pytest.mark.uses(CACHE)
+def test_cache_storage(submission, draw):
+    """after 10 windows of appends it holds sinks + window slots of keys and values, allocated once"""
+    inputs = storage_inputs(draw)
+    assert_same(submission.rolled(inputs), storage_expected(inputs), inputs)  # only the storage's keys
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("window, queries", list(MASK_CASES.values()), ids=list(MASK_CASES))
+@pytest.mark.points(0.5)
+@pytest.mark.uses(MASK)
+def test_mask_random(submission, reference, draw, window, queries):
+    """every kind of window and every ratio of queries to keys"""
+    inputs = mask_random_inputs(draw, window, queries)
+    assert_same(submission.masks(inputs), reference.masks(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("window, queries, sinks", list(ATTENTION_CASES.values()), ids=list(ATTENTION_CASES))
+@pytest.mark.points(1.25)
+@pytest.mark.uses(ATTENTION)
+def test_attention_random(submission, reference, draw, window, queries, sinks):
+    """every kind of window, queries and sink logits, in float32 and float64"""
+    drawn = attention_random_inputs(draw, window, queries, sinks)
+    for inputs in (drawn.cast(torch.float32), drawn):
+        assert_same(submission.attended(inputs), reference.attended(inputs), inputs)
+
+
+@pytest.mark.hidden
+@pytest.mark.parametrize("sinks, chunks, window, dtype", list(CACHE_CASES.values()), ids=list(CACHE_CASES))
+@pytest.mark.points(0.75)
+@pytest.mark.uses(CACHE)
+def test_cache_random(submission, reference, draw, sinks, chunks, window, dtype):
+    """with and without sinks, token by token and in chunks longer than the window; its storage after 10 windows"""
+    inputs = cache_random_inputs(draw, sinks, chunks, window, DTYPES[dtype])
+    got = submission.rolled(inputs)
+    assert_same(got, {**reference.rolled(inputs), **storage_expected(inputs)}, inputs)
