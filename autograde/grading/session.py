@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import pytest
 
@@ -100,10 +101,18 @@ class Session:
             arguments.append("--collect-only")
         output = io.StringIO()
         try:
-            with contextlib.redirect_stdout(output) if quiet else contextlib.nullcontext():
+            with _installed_plugins_left_out(), \
+                    contextlib.redirect_stdout(output) if quiet else contextlib.nullcontext():
                 return pytest.main(arguments, plugins=[_Plugin(self)])
         finally:
             self.close()
+
+
+def _installed_plugins_left_out():
+    """pytest without the plugins other packages install (anyio, xdist, timeout...): the tests use none,
+    and loading them costs every run a scan of the installed packages, and the first run in a process
+    (a learner's first `check()`) seconds of rewriting their modules' asserts."""
+    return mock.patch.dict(os.environ, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 
 
 _references: dict[str, _Proxy] = {}

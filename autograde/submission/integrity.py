@@ -18,9 +18,7 @@ import functools
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-
-import nbformat
-from nbformat.notebooknode import NotebookNode
+from typing import TYPE_CHECKING
 
 from autograde import course
 from autograde.cases import Exercise
@@ -28,6 +26,9 @@ from autograde.cases import Exercise
 MAX_FINDINGS = 20  # then one line says how many more
 MAX_CHARS = 300  # of one finding
 FLAGS = ("grade", "solution", "locked", "task")
+
+if TYPE_CHECKING:  # nbformat is imported where it is used: its validator takes seconds, which check() does without
+    from nbformat.notebooknode import NotebookNode
 FIELDS = ("points", *FLAGS, "cell_type")  # the nbgrader metadata compared with the release's
 CELL_TYPES = ("code", "markdown", "raw")
 ABSENT = object()  # a metadata key the cell does not have
@@ -51,6 +52,8 @@ def _nbgrader():
 @functools.cache
 def released_notebook(exercise: Exercise) -> NotebookNode:
     """The learner notebook of `exercise` as released (shared between calls: do not modify it)."""
+    import nbformat
+
     return nbformat.read(course.exercises() / exercise.notebook, as_version=4)
 
 
@@ -211,6 +214,8 @@ def _stray(cell: _Cell) -> list[str]:
 
 def _roles(nbgrader: dict) -> NotebookNode:
     """A cell with `nbgrader`'s flags as nbgrader reads them (truthiness), for its helpers."""
+    from nbformat.notebooknode import NotebookNode
+
     flags = {flag: bool(nbgrader.get(flag, False)) for flag in FLAGS}
     return NotebookNode(metadata=NotebookNode(nbgrader=NotebookNode(flags)))
 
