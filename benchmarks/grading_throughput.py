@@ -2,13 +2,13 @@
 
     python -m benchmarks.grading_throughput                       # 50 students, every assignment
     python -m benchmarks.grading_throughput --students 2 --assignment attention   # a smoke run
-    python -m benchmarks.grading_throughput --students 500 --nbgrader-students 20    # a large class
+    python -m benchmarks.grading_throughput --students 500 --nbgrader-students 5 --scaling   # a large class
 
 It writes a synthetic class in a temporary folder, in nbgrader's layout
 `submitted/<student>/<assignment>/<exercise>.ipynb`: every student hands in every exercise of
 the chosen assignments, each notebook drawn from the seed out of a realistic mix (the reference
-answers, the untouched release, or one of the wrong answers of `tests/fixtures/implementations.py`
-that fits the exercise). Then, one after the other in the same run, it times
+answers, the untouched release, or a partly done one: the solution with its last graded cell left
+as released). Then, one after the other in the same run, it times
 
 1. the course's grader, `python -m autograde grade <submitted> --seed S --jobs N`;
 2. nbgrader as a course runs it: `generate_assignment`, then `autograde --force` (its default,
@@ -23,6 +23,14 @@ It prints the machine, the wall time of each and per notebook, nbgrader's time o
 grader's on the same notebooks, and the (student, exercise) pairs where the two give different
 points: the test cells and the grader run the same tests, so any disagreement is a bug in one
 of them, and the command then exits 1. `--json PATH` also writes the numbers and every pair's points.
+
+Wall times depend on what else the machine runs; CPU times (of every process each grader started,
+`RUSAGE_CHILDREN`) much less, so both are printed, and ratios are taken in one run. `--scaling`
+grades the class with `--jobs 1` too. `--per-exercise N` (default 2; 0: not) measures, for each
+exercise, the CPU seconds of one solution notebook on one core: the grader, pinned to one core,
+grades 1 and then 1 + N solution notebooks of the exercise; the difference over N is a notebook's
+own cost, the first run's is what a grading process pays once (start-up, the visible tests'
+references, collecting the tests).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import math
 import os
 import platform
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -43,12 +52,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import nbformat
+
 from autograde import registry as exercises
-from tests.fixtures import implementations
-from tests.fixtures.notebooks import learner_notebook, write
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSIGNMENTS = ("attention", "gqa", "flash")
+ASSIGNMENTS = tuple(dict.fromkeys(exercise.assignment for exercise in exercises.EXERCISES.values()))
 # How a class hands in an exercise: most solve it, many get part of it wrong, a few hand in the release.
 MIX = {"solution": 0.5, "wrong": 0.35, "release": 0.15}
 NBGRADER_CELL_SECONDS = 300  # --Execute.timeout: the grader's own default wall time per notebook
@@ -83,10 +92,15 @@ def machine_description() -> dict[str, str]:
     }
 
 
-def wrong_answers(exercise_id: str) -> list[implementations.Variant]:
-    """Every wrong answer in the fixtures (the `*_WRONG` lists) written for this exercise."""
-    return [variant for name, variants in vars(implementations).items() if name.endswith("_WRONG")
-            for variant in variants if variant.exercise == exercise_id]
+def solution_cell_ids(notebook: nbformat.NotebookNode) -> list[str]:
+    return [cell.metadata["nbgrader"]["grade_id"] for cell in notebook.cells
+            if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)]
+
+
+def wrong_answers(exercise_id: str) -> list[str]:
+    """The partly done answers of an exercise: its last graded cell left as released (none with one cell)."""
+    cells = solution_cell_ids(nbformat.read(ROOT / "solutions" / exercises.get(exercise_id).notebook, as_version=4))
+    return [f"{cells[-1]} left as released"] if len(cells) > 1 else []
 
 
 def exercises_of(assignments: list[str]) -> list[exercises.Exercise]:
@@ -98,18 +112,30 @@ def draw_submission(rng: random.Random, student: str, exercise: exercises.Exerci
     kinds = [kind for kind in MIX if kind != "wrong" or wrong]
     kind = rng.choices(kinds, weights=[MIX[k] for k in kinds])[0]
     if kind == "wrong":
-        kind = f"wrong:{rng.choice(wrong).name}"
+        kind = f"wrong:{rng.choice(wrong)}"
     return Submission(student, exercise.assignment, exercise.id, kind)
 
 
-def learner_answer(submission: Submission):
-    if submission.kind == "solution":
-        return learner_notebook(submission.exercise)
-    if submission.kind == "release":
-        return learner_notebook(submission.exercise, blank=True)
-    name = submission.kind.removeprefix("wrong:")
-    variant = next(v for v in wrong_answers(submission.exercise) if v.name == name)
-    return learner_notebook(submission.exercise, variant.answers)
+def learner_notebook(submission: Submission) -> nbformat.NotebookNode:
+    """The released notebook with the solution's answers in all its graded cells (a solution), all but
+    the last (partly done), or none (the release)."""
+    exercise = exercises.get(submission.exercise)
+    notebook = nbformat.read(ROOT / "exercises" / exercise.notebook, as_version=4)
+    solution = nbformat.read(ROOT / "solutions" / exercise.notebook, as_version=4)
+    answers = {cell.metadata["nbgrader"]["grade_id"]: cell.source for cell in solution.cells
+               if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)}
+    cells = solution_cell_ids(notebook)
+    answered = {"solution": cells, "release": []}.get(submission.kind, cells[:-1])
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in answered:
+            cell.source = answers[cell.metadata["nbgrader"]["grade_id"]]
+    return notebook
+
+
+def write(notebook: nbformat.NotebookNode, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, path)
+    return path
 
 
 def write_class(submitted: Path, students: int, assignments: list[str], seed: int) -> list[Submission]:
@@ -118,26 +144,52 @@ def write_class(submitted: Path, students: int, assignments: list[str], seed: in
     submissions = [draw_submission(rng, f"student{index:03d}", exercise)
                    for index in range(1, students + 1) for exercise in exercises_of(assignments)]
     for submission in submissions:
-        write(learner_answer(submission),
+        write(learner_notebook(submission),
               submitted / submission.student / submission.assignment / f"{submission.exercise}.ipynb")
     return submissions
 
 
-def run_checked(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-    process = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+def run_checked(command: list[str], cwd: Path, env: dict[str, str] | None = None,
+                cores: set[int] | None = None) -> float:
+    """Run `command`; the CPU seconds of every process it started and waited for (`RUSAGE_CHILDREN`).
+    `cores`: pinned to these cores, with everything it starts."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    process = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{process.stderr[-3000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def grade_with_autograde(submitted: Path, out: Path, seed: int, jobs: int) -> tuple[float, dict]:
-    """Wall seconds of `python -m autograde grade`, and its points by (student, exercise)."""
+def grade_with_autograde(submitted: Path, out: Path, seed: int, jobs: int,
+                         cores: set[int] | None = None) -> tuple[float, float, dict]:
+    """Wall and CPU seconds of `python -m autograde grade`, and its points by (student, exercise)."""
     start = time.perf_counter()
-    run_checked([sys.executable, "-m", "autograde", "grade", str(submitted), "--out", str(out),
-                 "--seed", str(seed), "--jobs", str(jobs)], cwd=ROOT)
+    cpu = run_checked([sys.executable, "-m", "autograde", "grade", str(submitted), "--out", str(out),
+                       "--seed", str(seed), "--jobs", str(jobs)], cwd=ROOT, cores=cores)
     seconds = time.perf_counter() - start
     with open(out / "grades.csv", newline="") as grades:
         points = {(row["student"], row["exercise"]): float(row["score"]) for row in csv.DictReader(grades)}
-    return seconds, points
+    return seconds, cpu, points
+
+
+def per_exercise_cpu(exercise: exercises.Exercise, notebooks: int, seed: int, folder: Path) -> dict:
+    """CPU seconds on one core of the grader on 1, then 1 + `notebooks`, solution notebooks of `exercise`."""
+    core = {min(os.sched_getaffinity(0))}
+    submissions = [Submission(f"student{index:03d}", exercise.assignment, exercise.id, "solution")
+                   for index in range(1, notebooks + 2)]
+    for size in (1, notebooks + 1):
+        for submission in submissions[:size]:
+            write(learner_notebook(submission), folder / f"class{size}" / submission.student /
+                  submission.assignment / f"{submission.exercise}.ipynb")
+    _, first, first_points = grade_with_autograde(folder / "class1", folder / "grades1", seed, 1, core)
+    _, every, points = grade_with_autograde(folder / f"class{notebooks + 1}", folder / "grades", seed, 1, core)
+    return {"exercise": exercise.id, "notebooks": notebooks, "first_run_cpu_seconds": first,
+            "cpu_seconds_per_notebook": (every - first) / notebooks,
+            # the other exercises of the assignment are graded too, as missing: they cost next to nothing
+            "scores": sorted({score for (_, graded), score in [*first_points.items(), *points.items()]
+                              if graded == exercise.id})}
 
 
 def nbgrader_environment(seed: int) -> dict[str, str]:
@@ -148,9 +200,9 @@ def nbgrader_environment(seed: int) -> dict[str, str]:
 
 
 def grade_with_nbgrader(submitted: Path, course: Path, assignments: list[str], seed: int,
-                        submissions: list[Submission]) -> tuple[float, dict]:
-    """Wall seconds of nbgrader's generate_assignment and autograde for every assignment, and its
-    points by (student, exercise) from its gradebook (None where it recorded none)."""
+                        submissions: list[Submission]) -> tuple[float, float, dict]:
+    """Wall and CPU seconds of nbgrader's generate_assignment and autograde for every assignment, and
+    its points by (student, exercise) from its gradebook (None where it recorded none)."""
     from nbgrader.api import Gradebook, MissingEntry  # imported here: --skip-nbgrader does without it
 
     for assignment in assignments:
@@ -160,12 +212,12 @@ def grade_with_nbgrader(submitted: Path, course: Path, assignments: list[str], s
     nbgrader = [sys.executable, "-m", "nbgrader"]
     common = [f"--CourseDirectory.root={course}", f"--db={database}"]
     env = nbgrader_environment(seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), 0.0
     for assignment in assignments:
-        run_checked([*nbgrader, "generate_assignment", assignment, "--force", *common], cwd=course, env=env)
+        cpu += run_checked([*nbgrader, "generate_assignment", assignment, "--force", *common], cwd=course, env=env)
     for assignment in assignments:
-        run_checked([*nbgrader, "autograde", assignment, "--force", f"--Execute.timeout={NBGRADER_CELL_SECONDS}",
-                     *common], cwd=course, env=env)
+        cpu += run_checked([*nbgrader, "autograde", assignment, "--force",
+                            f"--Execute.timeout={NBGRADER_CELL_SECONDS}", *common], cwd=course, env=env)
     seconds = time.perf_counter() - start
 
     points = {}
@@ -176,7 +228,7 @@ def grade_with_nbgrader(submitted: Path, course: Path, assignments: list[str], s
                     s.exercise, s.assignment, s.student).score
             except MissingEntry:
                 points[s.student, s.exercise] = None
-    return seconds, points
+    return seconds, cpu, points
 
 
 def points_side_by_side(submissions: list[Submission], ours: dict, theirs: dict) -> list[dict]:
@@ -191,41 +243,58 @@ def points_side_by_side(submissions: list[Submission], ours: dict, theirs: dict)
 
 
 def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, skip_nbgrader: bool,
-                  folder: Path, nbgrader_students: int | None = None) -> dict:
-    """Write the class under `folder`, grade it with the grader, then the first `nbgrader_students`
-    (default: all) with both, and return the report (plain data)."""
+                  folder: Path, nbgrader_students: int | None = None, scaling: bool = False,
+                  per_exercise: int = 0) -> dict:
+    """Write the class under `folder`, grade it with the grader (also with `--jobs 1` if `scaling`),
+    then the first `nbgrader_students` (default: all) with both; with `per_exercise` N, each exercise's
+    cost per solution notebook on one core from N + 1 notebooks. Returns the report (plain data)."""
     machine = machine_description()  # before grading: the load average is then other people's
     submitted = folder / "submitted"
     submissions = write_class(submitted, students, assignments, seed)
     notebooks = len(submissions)
-    ours_seconds, ours = grade_with_autograde(submitted, folder / "grades", seed, jobs)
+    ours_seconds, ours_cpu, ours = grade_with_autograde(submitted, folder / "grades", seed, jobs)
     subset_students = min(nbgrader_students or students, students)
     report = {
         "machine": machine,
         "students": students, "assignments": assignments, "notebooks": notebooks, "seed": seed, "jobs": jobs,
         "mix": {kind: sum(s.kind.split(":")[0] == kind for s in submissions) for kind in MIX},
         "autograde_seconds": ours_seconds, "autograde_seconds_per_notebook": ours_seconds / notebooks,
+        "autograde_cpu_seconds": ours_cpu, "scaling": None, "per_exercise": None,
         "nbgrader_students": subset_students, "nbgrader_notebooks": None, "autograde_subset_seconds": None,
-        "nbgrader_seconds": None, "nbgrader_seconds_per_notebook": None, "nbgrader_over_autograde": None,
+        "autograde_subset_cpu_seconds": None, "nbgrader_seconds": None, "nbgrader_cpu_seconds": None,
+        "nbgrader_seconds_per_notebook": None, "nbgrader_over_autograde": None, "nbgrader_over_autograde_cpu": None,
         "grades": None, "disagreements": None,
     }
+    if scaling and jobs != 1:
+        one_seconds, one_cpu, one = grade_with_autograde(submitted, folder / "grades-1-job", seed, 1)
+        if one != ours:
+            raise RuntimeError("the grader gave other points with --jobs 1")
+        report["scaling"] = [{"jobs": 1, "seconds": one_seconds, "cpu_seconds": one_cpu},
+                             {"jobs": jobs, "seconds": ours_seconds, "cpu_seconds": ours_cpu}]
+    if per_exercise:
+        report["per_exercise"] = [per_exercise_cpu(exercise, per_exercise, seed, folder / "per-exercise" / exercise.id)
+                                  for exercise in exercises_of(assignments)]
     if skip_nbgrader:
         return report
-    subset, subset_seconds = submissions, ours_seconds
+    subset, subset_seconds, subset_cpu = submissions, ours_seconds, ours_cpu
     if subset_students < students:
         names = sorted({s.student for s in submissions})[:subset_students]
         subset = [s for s in submissions if s.student in names]
         submitted = folder / "subset"
         for name in names:
             shutil.copytree(folder / "submitted" / name, submitted / name)
-        subset_seconds, subset_points = grade_with_autograde(submitted, folder / "subset-grades", seed, jobs)
+        subset_seconds, subset_cpu, subset_points = grade_with_autograde(submitted, folder / "subset-grades", seed,
+                                                                         jobs)
         if subset_points != {key: ours[key] for key in subset_points}:
             raise RuntimeError("the grader gave the subset other points than the whole class")
-    nbgrader_seconds, theirs = grade_with_nbgrader(submitted, folder / "course", assignments, seed, subset)
+    nbgrader_seconds, nbgrader_cpu, theirs = grade_with_nbgrader(submitted, folder / "course", assignments, seed,
+                                                                 subset)
     grades = points_side_by_side(subset, ours, theirs)
     report.update(nbgrader_notebooks=len(subset), autograde_subset_seconds=subset_seconds,
-                  nbgrader_seconds=nbgrader_seconds, nbgrader_seconds_per_notebook=nbgrader_seconds / len(subset),
+                  autograde_subset_cpu_seconds=subset_cpu, nbgrader_seconds=nbgrader_seconds,
+                  nbgrader_cpu_seconds=nbgrader_cpu, nbgrader_seconds_per_notebook=nbgrader_seconds / len(subset),
                   nbgrader_over_autograde=nbgrader_seconds / subset_seconds,
+                  nbgrader_over_autograde_cpu=nbgrader_cpu / subset_cpu,
                   grades=grades, disagreements=[row for row in grades if not row["agree"]])
     return report
 
@@ -236,30 +305,63 @@ def markdown(report: dict) -> str:
         f"- class: {report['students']} students x {', '.join(report['assignments'])} = {report['notebooks']} "
         f"notebooks ({', '.join(f'{count} {kind}' for kind, count in report['mix'].items())}), seed {report['seed']}",
         "",
-        "| grader | seconds | seconds per notebook |",
-        "|---|---:|---:|",
+        "| grader | seconds | seconds per notebook | CPU seconds |",
+        "|---|---:|---:|---:|",
         f"| `python -m autograde grade --jobs {report['jobs']}` | {report['autograde_seconds']:.1f} "
-        f"| {report['autograde_seconds_per_notebook']:.2f} |",
+        f"| {report['autograde_seconds_per_notebook']:.2f} | {report['autograde_cpu_seconds']:.1f} |",
     ]
     if report["nbgrader_seconds"] is None:
-        return "\n".join(lines + ["", "nbgrader: skipped"])
-    found, subset = report["disagreements"], report["nbgrader_notebooks"]
-    if subset < report["notebooks"]:
-        lines.append(f"| the same, first {report['nbgrader_students']} students only | "
-                     f"{report['autograde_subset_seconds']:.1f} | {report['autograde_subset_seconds'] / subset:.2f} |")
-        compared = f"the first {report['nbgrader_students']} students"
+        lines += ["", "nbgrader: skipped"]
     else:
-        compared = "the whole class"
-    lines += [
-        f"| `nbgrader generate_assignment` + `autograde` (sequential), {compared} | {report['nbgrader_seconds']:.1f} "
-        f"| {report['nbgrader_seconds_per_notebook']:.2f} |",
-        "",
-        f"nbgrader / autograde on {compared}: {report['nbgrader_over_autograde']:.2f}x",
-        f"points that differ: {len(found)} of {subset} (student, exercise) pairs",
-    ]
-    lines += [f"  - {d['student']} {d['exercise']} ({d['submission']}): autograde {d['autograde']}, "
-              f"nbgrader {d['nbgrader']}" for d in found[:SHOWN_DISAGREEMENTS]]
+        found, subset = report["disagreements"], report["nbgrader_notebooks"]
+        if subset < report["notebooks"]:
+            lines.append(f"| the same, first {report['nbgrader_students']} students only | "
+                         f"{report['autograde_subset_seconds']:.1f} "
+                         f"| {report['autograde_subset_seconds'] / subset:.2f} "
+                         f"| {report['autograde_subset_cpu_seconds']:.1f} |")
+            compared = f"the first {report['nbgrader_students']} students"
+        else:
+            compared = "the whole class"
+        lines += [
+            f"| `nbgrader generate_assignment` + `autograde` (sequential), {compared} | "
+            f"{report['nbgrader_seconds']:.1f} | {report['nbgrader_seconds_per_notebook']:.2f} "
+            f"| {report['nbgrader_cpu_seconds']:.1f} |",
+            "",
+            f"nbgrader / autograde on {compared}: {report['nbgrader_over_autograde']:.2f}x "
+            f"(CPU seconds: {report['nbgrader_over_autograde_cpu']:.2f}x)",
+            f"points that differ: {len(found)} of {subset} (student, exercise) pairs",
+        ]
+        lines += [f"  - {d['student']} {d['exercise']} ({d['submission']}): autograde {d['autograde']}, "
+                  f"nbgrader {d['nbgrader']}" for d in found[:SHOWN_DISAGREEMENTS]]
+    if report["scaling"]:
+        one = report["scaling"][0]["seconds"]
+        lines += ["", "| --jobs | seconds | notebooks per minute | speed-up | CPU seconds |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {row['jobs']} | {row['seconds']:.1f} | {60 * report['notebooks'] / row['seconds']:.1f} "
+                  f"| {one / row['seconds']:.2f}x | {row['cpu_seconds']:.1f} |" for row in report["scaling"]]
+    if report["per_exercise"]:
+        lines += ["", "| exercise | CPU seconds per solution notebook, one core | CPU seconds of the first "
+                  "(start-up included) | points |", "|---|---:|---:|---|"]
+        lines += [f"| {row['exercise']} | {row['cpu_seconds_per_notebook']:.2f} | {row['first_run_cpu_seconds']:.2f} "
+                  f"| {', '.join(f'{p:g}' for p in row['scores'])} |" for row in report["per_exercise"]]
     return "\n".join(lines)
+
+
+def summary_values(report: dict) -> dict[str, float]:
+    """The report's numbers as name=value lines, for scripts."""
+    values = {"notebooks": report["notebooks"], "autograde_seconds": report["autograde_seconds"],
+              "autograde_seconds_per_notebook": report["autograde_seconds_per_notebook"],
+              "autograde_cpu_seconds_per_notebook": report["autograde_cpu_seconds"] / report["notebooks"]}
+    if report["nbgrader_seconds"] is not None:
+        values.update(nbgrader_seconds_per_notebook=report["nbgrader_seconds_per_notebook"],
+                      nbgrader_over_autograde=report["nbgrader_over_autograde"],
+                      nbgrader_over_autograde_cpu=report["nbgrader_over_autograde_cpu"],
+                      points_that_differ=len(report["disagreements"]))
+    for row in report["scaling"] or []:
+        values[f"seconds_jobs_{row['jobs']}"] = row["seconds"]
+    for row in report["per_exercise"] or []:
+        values[f"cpu_seconds_per_notebook_{row['exercise']}"] = row["cpu_seconds_per_notebook"]
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,13 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-nbgrader", action="store_true", help="time the grader alone")
     parser.add_argument("--nbgrader-students", type=int, metavar="K",
                         help="nbgrader (and the grader again) grade only the first K students (default: all)")
+    parser.add_argument("--scaling", action="store_true", help="grade the class with --jobs 1 as well")
+    parser.add_argument("--per-exercise", type=int, default=2, metavar="N",
+                        help="CPU seconds per solution notebook of each exercise, from N + 1 notebooks "
+                             "(default 2; 0: not measured)")
     args = parser.parse_args(argv)
     assignments = [a for a in ASSIGNMENTS if a in (args.assignment or ASSIGNMENTS)]
 
     with tempfile.TemporaryDirectory(prefix="grading-throughput-") as folder:
         report = run_benchmark(args.students, assignments, args.jobs, args.seed, args.skip_nbgrader, Path(folder),
-                               args.nbgrader_students)
+                               args.nbgrader_students, args.scaling, args.per_exercise)
     print(markdown(report))
+    print()
+    for name, value in summary_values(report).items():
+        print(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if report["disagreements"] else 0

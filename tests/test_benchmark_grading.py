@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.xdist_group("benchmark_grading"), pytest.mark.slow, py
 
 STUDENTS = 2
 ASSIGNMENT = "attention"
-SEED = 12345  # draws, for 2 students, a reference answer, a wrong answer and the untouched release
+SEED = 12345  # draws, for 2 students, a reference answer, a partly done one and the untouched release
 PAIRS = {(f"student{index:03d}", exercise) for index in (1, 2) for exercise in ("sdpa", "mha")}
 
 
@@ -45,6 +45,9 @@ def test_the_report_has_the_machine_times_and_ratio(report):
         assert report[f"{grader}_seconds"] > 0
         assert report[f"{grader}_seconds_per_notebook"] == pytest.approx(report[f"{grader}_seconds"] / len(PAIRS))
     assert report["nbgrader_over_autograde"] == pytest.approx(report["nbgrader_seconds"] / report["autograde_seconds"])
+    assert report["nbgrader_over_autograde_cpu"] == pytest.approx(
+        report["nbgrader_cpu_seconds"] / report["autograde_cpu_seconds"])
+    assert report["autograde_cpu_seconds"] > 0 and report["nbgrader_cpu_seconds"] > 0
     assert json.loads(json.dumps(report)) == report
 
 
@@ -70,17 +73,37 @@ def test_the_class_is_drawn_from_the_seed(tmp_path: Path):
     assert sorted(p.relative_to(tmp_path / "a").as_posix() for p in (tmp_path / "a").rglob("*.ipynb")) == sorted(
         f"{s.student}/{ASSIGNMENT}/{s.exercise}.ipynb" for s in first)
     wrong = [s for s in first if s.kind.startswith("wrong:")]
-    assert all(s.kind.removeprefix("wrong:") in {v.name for v in benchmark.wrong_answers(s.exercise)} for s in wrong)
+    assert wrong and all(s.kind.removeprefix("wrong:") in benchmark.wrong_answers(s.exercise) for s in wrong)
 
 
-def test_skip_nbgrader_times_the_grader_alone_and_writes_json(tmp_path: Path, capsys):
+def test_a_partly_done_notebook_leaves_only_its_last_graded_cell_as_released(tmp_path: Path):
+    solution, partly, release = (benchmark.learner_notebook(Submission("ada", ASSIGNMENT, "mha", kind))
+                                 for kind in ("solution", "wrong:load_torch_mha left as released", "release"))
+
+    def graded(notebook):
+        return {cell.metadata["nbgrader"]["grade_id"]: cell.source for cell in notebook.cells
+                if cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)}
+    cells = benchmark.solution_cell_ids(solution)
+    assert graded(partly) == {**graded(solution), cells[-1]: graded(release)[cells[-1]]}
+    assert all(graded(solution)[cell] != graded(release)[cell] for cell in cells)
+
+
+def test_skip_nbgrader_times_the_grader_alone_with_its_scaling_and_each_exercise(tmp_path: Path, capsys):
     path = tmp_path / "report.json"
     status = benchmark.main(["--students", "1", "--assignment", ASSIGNMENT, "--jobs", "2", "--skip-nbgrader",
-                             "--json", str(path)])
+                             "--scaling", "--per-exercise", "1", "--json", str(path)])
     assert status == 0
     written = json.loads(path.read_text())
     assert written["notebooks"] == 2 and written["autograde_seconds"] > 0 and written["nbgrader_seconds"] is None
-    assert "nbgrader: skipped" in capsys.readouterr().out
+    assert [row["jobs"] for row in written["scaling"]] == [1, 2]
+    assert [row["exercise"] for row in written["per_exercise"]] == ["sdpa", "mha"]
+    assert all(row["scores"] == [10.0] and row["cpu_seconds_per_notebook"] > 0 and row["first_run_cpu_seconds"] > 0
+               for row in written["per_exercise"]), written["per_exercise"]
+    out = capsys.readouterr().out
+    assert "nbgrader: skipped" in out and "| sdpa |" in out and "| mha |" in out
+    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+    assert {"autograde_seconds_per_notebook", "seconds_jobs_1", "seconds_jobs_2",
+            "cpu_seconds_per_notebook_sdpa", "cpu_seconds_per_notebook_mha"} <= set(values)
 
 
 def test_nbgrader_and_the_grader_can_be_compared_on_the_first_students(tmp_path: Path):
