@@ -122,6 +122,11 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def _interpreters_own(command: str) -> bool:
+    """multiprocessing's resource tracker: started by the interpreter for itself, it ends with it."""
+    return "from multiprocessing.resource_tracker import main" in command
+
+
 def pytest_sessionstart(session):
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -139,7 +144,7 @@ def pytest_sessionfinish(session, exitstatus):
     is_worker = hasattr(session.config, "workerinput")  # pytest-xdist: each worker checks its own processes,
     is_controller = not is_worker and session.config.getoption("dist", "no") != "no"  # the controller the tree
     if sys.platform == "linux" and not is_controller:
-        left = [(pid, command) for pid, command in _descendants(os.getpid())]
+        left = [(pid, command) for pid, command in _descendants(os.getpid()) if not _interpreters_own(command)]
         for pid, _ in left:
             try:
                 os.kill(pid, signal.SIGKILL)
