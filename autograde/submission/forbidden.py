@@ -7,7 +7,9 @@ source hides: as a torch function mode, aliases, `getattr` and a module calling 
 operators underneath (`aten._softmax`, PyTorch's attention kernels) in the dispatcher, those
 operators however they were reached, `torch.ops.aten` or `DisableTorchFunction` included. The
 tripwire runs in the learner's process, which can switch it off: it is advisory, and the scan and
-the rules' tests are what count.
+the rules' tests are what count. In the sandbox its findings leave the process as they happen
+(`report`), and after each call the worker says whether it still stands (`intact`); `review`
+shows a person the reflection and concurrency that could go around it unseen.
 Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 `torch.nn.MultiheadAttention.forward` for calling an instance of that module.
 """
@@ -208,9 +210,9 @@ _PROCESSES = "work in another process escapes the tripwire and the rules measure
 _FRAMES = "frames and code objects reach the grader's own objects in the process, the tripwire included"
 _NAMESPACES = "a namespace read or changed by key hands out functions under no name the scan reads"
 _BY_NAME = "an attribute fetched by a name the scan does not read, or a private one"
-_PATCHES = "changes an attribute of a module by name (a library's function replaced)"
+_PATCHES = "changes an attribute by name (a library's function replaced, say)"
 _STRINGS = "runs code the scan never reads"
-_MODULES = {  # imported, or used through an alias of the import
+_MODULES = {  # shown where imported
     "importlib": "imports a module by a name built at run time, around the scan",
     "ctypes": "calls C directly, around torch, the tripwire and the rules",
     "gc": "the garbage collector hands out every object of the process, the grader's tripwire included",
