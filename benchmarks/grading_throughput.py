@@ -25,7 +25,7 @@ points: the test cells and the grader run the same tests, so any disagreement is
 of them, and the command then exits 1. `--json PATH` also writes the numbers and every pair's points.
 
 Wall times depend on what else the machine runs; CPU times (of every process each grader started,
-`RUSAGE_CHILDREN`) much less, so both are printed, and ratios are taken in one run. `--scaling`
+from `wait4`) much less, so both are printed, and ratios are taken in one run. `--scaling`
 grades the class with `--jobs 1` too. `--per-exercise N` (default 2; 0: not) measures, for each
 exercise, the CPU seconds of one solution notebook on one core: the grader, pinned to one core,
 grades 1 and then 1 + N solution notebooks of the exercise; the difference over N is a notebook's
@@ -42,7 +42,6 @@ import math
 import os
 import platform
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -151,23 +150,28 @@ def write_class(submitted: Path, students: int, assignments: list[str], seed: in
 
 def run_checked(command: list[str], cwd: Path, env: dict[str, str] | None = None,
                 cores: set[int] | None = None) -> float:
-    """Run `command`; the CPU seconds of every process it started and waited for (`RUSAGE_CHILDREN`).
-    `cores`: pinned to these cores, with everything it starts."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    process = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{process.stderr[-3000:]}")
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    """Run `command`; the CPU seconds of it and every process it started and waited for (`wait4`: its
+    own, whatever else this process runs). `cores`: pinned to these cores, with everything it starts."""
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            output.seek(0)
+            tail = output.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{tail}")
+    return usage.ru_utime + usage.ru_stime
 
 
 def grade_with_autograde(submitted: Path, out: Path, seed: int, jobs: int,
                          cores: set[int] | None = None) -> tuple[float, float, dict]:
-    """Wall and CPU seconds of `python -m autograde grade`, and its points by (student, exercise)."""
+    """Wall and CPU seconds of `python -m autograde grade`, and its points by (student, exercise).
+    `cores`: pinned to these, with as many threads."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))} if cores else None
     start = time.perf_counter()
     cpu = run_checked([sys.executable, "-m", "autograde", "grade", str(submitted), "--out", str(out),
-                       "--seed", str(seed), "--jobs", str(jobs)], cwd=ROOT, cores=cores)
+                       "--seed", str(seed), "--jobs", str(jobs)], cwd=ROOT, env=env, cores=cores)
     seconds = time.perf_counter() - start
     with open(out / "grades.csv", newline="") as grades:
         points = {(row["student"], row["exercise"]): float(row["score"]) for row in csv.DictReader(grades)}
@@ -175,7 +179,8 @@ def grade_with_autograde(submitted: Path, out: Path, seed: int, jobs: int,
 
 
 def per_exercise_cpu(exercise: exercises.Exercise, notebooks: int, seed: int, folder: Path) -> dict:
-    """CPU seconds on one core of the grader on 1, then 1 + `notebooks`, solution notebooks of `exercise`."""
+    """CPU seconds on one core of the grader on 1, then 1 + `notebooks`, solution notebooks of `exercise`.
+    One thread too: torch's threads pinned to one core would spin waiting for each other."""
     core = {min(os.sched_getaffinity(0))}
     submissions = [Submission(f"student{index:03d}", exercise.assignment, exercise.id, "solution")
                    for index in range(1, notebooks + 2)]
