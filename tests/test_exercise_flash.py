@@ -27,7 +27,6 @@ from autograde import registry as exercises
 from autograde import rules
 from autograde.frontends import check as self_check
 from autograde.grading import grade, reference
-from autograde.grading.compare import CaseResult
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
 from tests.fixtures.implementations import (
@@ -38,11 +37,22 @@ from tests.fixtures.implementations import (
     Variant,
     variant_id,
 )
-from tests.fixtures.notebooks import ROOT, SEED, answer, failed, learner_notebook, lost, run_cells, sent_inputs, write
+from tests.fixtures.notebooks import (
+    ROOT,
+    SEED,
+    answer,
+    failed,
+    graded_on_seed,
+    learner_notebook,
+    lost,
+    on_every_seed,
+    run_cells,
+    sent_inputs,
+    write,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
-SEEDS = (SEED, 1, 2024, 31337, 2**32 - 1)  # the hidden tests' seeds of the tests below
 FORWARD_TESTS = exercises.module(exercises.get("flash_forward"))
 BACKWARD_TESTS = exercises.module(exercises.get("flash_backward"))
 TRITON_TESTS = exercises.module(exercises.get("flash_triton"))
@@ -309,38 +319,27 @@ def grade_in_process(exercise_id: str, answers: dict[str, str]):
     return {result.name: result for result in results}, violations
 
 
-def graded_on_seeds(exercise_id: str, answers: dict[str, str] | None = None) -> dict[int, dict[str, CaseResult]]:
-    """The learner notebook with `answers` (else the reference's), run once in this process and graded on each
-    of SEEDS: the results by seed, then by test."""
-    exercise = exercises.get(exercise_id)
-    namespace = run_cells(learner_notebook(exercise_id, answers))
-    graded = {}
-    for seed in SEEDS:
-        results, violations, _ = self_check.run_in_kernel(exercise, namespace, seed)
-        assert not violations
-        graded[seed] = {result.name: result for result in results}
-    return graded
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", WRONG, ids=variant_id)
-def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant):
+@on_every_seed()
+def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
     assert not variant.hidden_may_fail  # the parameters, not the seed, decide what a wrong answer loses
     names = {test.name for test in catalogue(exercises.get(variant.exercise))}
     assert variant.visible_failures | variant.hidden_failures <= names  # the names of tests that exist
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        visible, hidden = lost(results)
-        assert (seed, visible) == (seed, variant.visible_failures)
-        assert (seed, hidden) == (seed, variant.hidden_failures)
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    visible, hidden = lost(results)
+    assert (seed, visible) == (seed, variant.visible_failures)
+    assert (seed, hidden) == (seed, variant.hidden_failures)
     first = next(results[c.name] for c in catalogue(exercises.get(variant.exercise)) if c.name in visible)
     assert any(problem.startswith(variant.message) for problem in first.problems), first.problems
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
-def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant):
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        assert (seed, failed(results)) == (seed, set())
+@on_every_seed()
+def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant, seed):
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    assert (seed, failed(results)) == (seed, set())
 
 
 # Kernels whose results are views, slices or copies of part of what a launch stored, as the contract allows.
@@ -354,10 +353,11 @@ PART_OF_WHAT_A_LAUNCH_STORED = [
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", PART_OF_WHAT_A_LAUNCH_STORED, ids=variant_id)
-def test_a_kernel_returning_part_of_what_it_stored_keeps_full_marks_on_every_seed(variant):
-    for seed, results in graded_on_seeds(variant.exercise, variant.answers).items():
-        assert (seed, failed(results)) == (seed, set())
-        assert sum(result.points for result in results.values()) == pytest.approx(10)
+@on_every_seed()
+def test_a_kernel_returning_part_of_what_it_stored_keeps_full_marks_on_every_seed(variant, seed):
+    results = graded_on_seed(variant.exercise, variant.answers, seed)
+    assert (seed, failed(results)) == (seed, set())
+    assert sum(result.points for result in results.values()) == pytest.approx(10)
 
 
 @pytest.mark.slow
@@ -379,11 +379,12 @@ def test_kernels_returning_part_of_what_they_stored_keep_full_marks_through_the_
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("exercise_id", ["flash_forward", "flash_backward", "flash_triton"])
-def test_the_solution_keeps_full_marks_on_every_seed(exercise_id):
+@on_every_seed()
+def test_the_solution_keeps_full_marks_on_every_seed(exercise_id, seed):
     assert max_score(exercises.get(exercise_id)) == 10
-    for seed, results in graded_on_seeds(exercise_id).items():
-        assert (seed, failed(results)) == (seed, set())
-        assert sum(result.points for result in results.values()) == pytest.approx(10)
+    results = graded_on_seed(exercise_id, None, seed)
+    assert (seed, failed(results)) == (seed, set())
+    assert sum(result.points for result in results.values()) == pytest.approx(10)
 
 
 def test_softmax_is_not_allowed_in_the_source_nor_hidden(tmp_path: Path):
