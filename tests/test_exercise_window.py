@@ -16,15 +16,15 @@ import torch.nn.functional as F
 from autograde import registry as exercises
 from autograde.grading import batch, reference
 from autograde.grading.session import catalogue, max_score
-from tests.fixtures.implementations import Variant, fs, variant_id
+from tests.fixtures.implementations import Variant, cases, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
     SEED,
-    answer,
     failed,
     graded_on_seed,
     lost,
     on_every_seed,
+    replaced,
     sent_inputs,
 )
 
@@ -48,20 +48,6 @@ def test_the_solution_scores_full_marks_and_the_release_scores_0(tmp_path: Path)
 
 # Wrong answers lose exactly the tests they break; a right answer in another style passes.
 
-def replaced(cell_id: str, *pairs: tuple[str, str]) -> str:
-    """The reference answer of a cell with each `old` replaced by `new` (each must occur)."""
-    source = answer("window", cell_id)
-    for old, new in pairs:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
-
-def cases(test: str, table: dict[str, tuple], keep) -> frozenset[str]:
-    """The report names of the cases of a parametrised test (`table`: id -> axes) whose axes `keep` accepts."""
-    return frozenset(f"{test}[{case}]" for case, axes in table.items() if keep(*axes))
-
-
 MASKS, ATTENTIONS, CACHES = TESTS.MASK_CASES, TESTS.ATTENTION_CASES, TESTS.CACHE_CASES
 INSIDE_OR_ONE = ("window inside the sequence", "window 1")
 # A sink logit of +1000 leaves the keys nothing: any answer that gets the keys wrong still outputs 0 there.
@@ -75,62 +61,61 @@ def sink_shows(window: str, queries: str, sinks: str) -> bool:
     return sinks in ("ordinary sink logits", SEEN) or (sinks != "no sink logits" and queries == NOTHING)
 
 
+LOOP = "        for t in range(k.shape[2]):\n"  # the head of append's loop
+RETURN = "    return weights @ v / total"  # windowed_attention's last line
+
+
+def sink_added(term: str) -> str:
+    """windowed_attention's last line, with `term` (the sink's part) added to the numerator."""
+    return f"    out = weights @ v\n    if sink_logits is not None:\n        out = out + {term}\n    return out / total"
+
+
 SLOT = "slot = position if position < self.sinks else self.sinks + (position - self.sinks) % self.window"
 
 WRONG = [
     # j >= i + S - L - window: window + 1 keys a row; a window as long as the keys cannot tell.
     Variant("window-off-by-one", "window",
-            {MASK: replaced(MASK, ("(keys > last - window)", "(keys >= last - window)"))},
+            {MASK: replaced("window", MASK, ("(keys > last - window)", "(keys >= last - window)"))},
             fs("sliding-window-mask", "windowed-attention", "windowed-attention-after-a-cache", "sink-logits"),
             cases("mask-random", MASKS, lambda window, queries: window in INSIDE_OR_ONE)
             | cases("attention-random", ATTENTIONS,
                     lambda window, queries, sinks: window in INSIDE_OR_ONE and sinks != SEEN)),
     # The band measured from the top-left corner, as if the queries were the first L keys.
     Variant("top-left-alignment", "window", {MASK: replaced(
-        MASK, ("last = torch.arange(L)[:, None] + (S - L)", "last = torch.arange(L)[:, None]"))},
+        "window", MASK, ("last = torch.arange(L)[:, None] + (S - L)", "last = torch.arange(L)[:, None]"))},
         fs("sliding-window-mask", "windowed-attention-after-a-cache", "sink-logits"),
         cases("mask-random", MASKS, lambda window, queries: queries != "L = S")
         | cases("attention-random", ATTENTIONS, lambda window, queries, sinks: queries != "L = S" and sinks != SEEN)),
     # A ring over every slot: the first tokens are overwritten like any other.
     Variant("evicting-the-sinks", "window",
-            {CACHE: replaced(CACHE, (SLOT, "slot = position % (self.sinks + self.window)"))},
+            {CACHE: replaced("window", CACHE, (SLOT, "slot = position % (self.sinks + self.window)"))},
             fs("rolling-cache"), cases("cache-random", CACHES, lambda sinks, *_: sinks == "sinks")),
     # The sink's exp(s) added to the numerator as well as the denominator, as if its value were all ones.
     Variant("sink-logit-in-the-numerator", "window", {ATTENTION: replaced(
-        ATTENTION, ("    return weights @ v / total",
-                    "    out = weights @ v\n"
-                    "    if sink_logits is not None:\n"
-                    "        out = out + torch.exp(sink - top)\n"
-                    "    return out / total"))},
+        "window", ATTENTION, (RETURN, sink_added("torch.exp(sink - top)")))},
         fs("sink-logits"),
         cases("attention-random", ATTENTIONS, sink_shows)),
     # The sink read as the first token: its value is v's first key instead of 0.
     Variant("sink-value-not-zero", "window", {ATTENTION: replaced(
-        ATTENTION, ("    return weights @ v / total",
-                    "    out = weights @ v\n"
-                    "    if sink_logits is not None:\n"
-                    "        out = out + torch.exp(sink - top) * v[..., :1, :]\n"
-                    "    return out / total"))},
+        "window", ATTENTION, (RETURN, sink_added("torch.exp(sink - top) * v[..., :1, :]")))},
         fs("sink-logits"),
         cases("attention-random", ATTENTIONS, sink_shows)),
     # Past the last slot every token lands in it; a window of 1 has only that slot and cannot tell.
     Variant("ring-index-not-wrapped", "window", {CACHE: replaced(
-        CACHE, (SLOT, "slot = min(position, self.sinks + self.window - 1)"))},
+        "window", CACHE, (SLOT, "slot = min(position, self.sinks + self.window - 1)"))},
         fs("rolling-cache"),
         cases("cache-random", CACHES, lambda sinks, chunks, window, dtype: window != "window 1")),
     # Positions counted within the cache (0, 1, ...), not the absolute ones RoPE rotated the keys by.
     Variant("wrapped-slots-positions-wrong", "window", {CACHE: replaced(
-        CACHE, ("self.positions[order]", "torch.arange(len(order))"))},
+        "window", CACHE, ("self.positions[order]", "torch.arange(len(order))"))},
         fs("rolling-cache"), cases("cache-random", CACHES, lambda *axes: True)),
     # Right keys and values, but every token appended is kept as well.
     Variant("keeps-every-token", "window", {CACHE: replaced(
-        CACHE, ("        for t in range(k.shape[2]):\n",
-                "        self.seen = getattr(self, 'seen', []) + [k, v]\n        for t in range(k.shape[2]):\n"))},
+        "window", CACHE, (LOOP, "        self.seen = getattr(self, 'seen', []) + [k, v]\n" + LOOP))},
         fs("cache-storage"), cases("cache-random", CACHES, lambda *axes: True)),
     # Right keys and values, in new tensors at every append.
     Variant("allocates-at-every-append", "window", {CACHE: replaced(
-        CACHE, ("        for t in range(k.shape[2]):\n", "        self.k, self.v = self.k.clone(), self.v.clone()\n"
-                                                         "        for t in range(k.shape[2]):\n"))},
+        "window", CACHE, (LOOP, "        self.k, self.v = self.k.clone(), self.v.clone()\n" + LOOP))},
         fs("cache-storage"), cases("cache-random", CACHES, lambda *axes: True)),
 ]
 
