@@ -95,7 +95,7 @@ def test_skip_nbgrader_times_the_grader_alone_with_its_scaling_and_each_exercise
     assert status == 0
     written = json.loads(path.read_text())
     assert written["notebooks"] == 2 and written["autograde_seconds"] > 0 and written["nbgrader_seconds"] is None
-    assert [row["jobs"] for row in written["scaling"]] == [1, 2]
+    assert [row["jobs"] for row in written["scaling"]] == [1, 2] and written["scaling_points_that_differ"] == []
     assert [row["exercise"] for row in written["per_exercise"]] == ["sdpa", "mha"]
     assert all(row["scores"] == [10.0] and row["cpu_seconds_per_notebook"] > 0 and row["first_run_cpu_seconds"] > 0
                for row in written["per_exercise"]), written["per_exercise"]
