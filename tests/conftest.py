@@ -128,6 +128,12 @@ def _interpreters_own(command: str) -> bool:
 
 
 def pytest_sessionstart(session):
+    if hasattr(session.config, "workerinput"):
+        # One of pytest-xdist's processes, one a core: a second torch thread each would only make
+        # both wait, and the CPU time the work rules measure would count its spinning.
+        import torch
+
+        torch.set_num_threads(1)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     session.config.stash[_STATUS_AT_START] = _git_status()
