@@ -36,7 +36,7 @@ book-class:
 # open edition built strictly, ruff, and every test no marker sends elsewhere, on two processes.
 PYTEST := $(PY) -m pytest -n $(or $(TEST_PROCESSES),2) --dist loadgroup
 test: book lint
-	$(PYTEST)
+	$(PYTEST) --durations=20
 
 # Seed sweeps, whole classes through the sandbox, attacks, nbgrader on every notebook, Slurm.
 test-slow: $(STAMP)
