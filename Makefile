@@ -40,7 +40,7 @@ test: book lint
 
 # Seed sweeps, whole classes through the sandbox, attacks, nbgrader on every notebook, Slurm.
 test-slow: $(STAMP)
-	$(PYTEST) -m slow
+	$(PYTEST) -m slow --durations=20
 
 # The cgroup v2 tests in a virtual machine (needs root; QEMU and a Debian kernel installed with apt).
 test-vm: $(STAMP)
