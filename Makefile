@@ -34,8 +34,7 @@ book-class:
 
 # The tiers (pytest markers in pyproject.toml; README, "Tests"). `make test` is the fast tier: the
 # open edition built strictly, ruff, and every test no marker sends elsewhere. In one process by
-# default; TEST_PROCESSES=2 spreads a tier over two (pytest-xdist), where the in-process flash_triton
-# check of tests/test_exercises_notebooks.py has failed after other tests in the same process.
+# default; TEST_PROCESSES=2 spreads a tier over two (pytest-xdist).
 TEST_PROCESSES ?= 0
 PYTEST := $(PY) -m pytest $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadgroup)
 test: book lint
