@@ -77,4 +77,4 @@ def test_an_untouched_release_says_not_implemented_where():
     assert failed(results) == set(results)
     assert results["no-mask"].problems[0].startswith(
         "not implemented yet (it raises NotImplementedError), at cell ")
-    assert results["no-mask"].problems[0].endswith("line 14")
+    assert results["no-mask"].problems[0].endswith("line 14: `raise NotImplementedError()`")
