@@ -126,6 +126,15 @@ class Cluster:
         return subprocess.run(command, env={**self.environment, **extra}, cwd=cwd, capture_output=True, text=True,
                               check=check, timeout=120)
 
+    def requeue(self, job: str, seconds: float = 10) -> None:
+        """`scontrol requeue`, tried again while the controller refuses it: a task that has just started
+        may not be requeued until its launch is confirmed, which takes a moment on a loaded machine."""
+        deadline = time.monotonic() + seconds
+        while (done := self.run("scontrol", "requeue", job, check=False)).returncode:
+            assert time.monotonic() < deadline, \
+                done.stderr + self.run("scontrol", "show", "job", job, check=False).stdout
+            time.sleep(0.5)
+
     def jobs(self) -> dict[str, str]:
         """Every job the controller knows, array tasks one by one: id -> state."""
         shown = self.run("squeue", "-h", "-r", "-t", "all", "-o", "%i %T").stdout.split()
@@ -288,7 +297,7 @@ def test_the_recipe_on_a_real_slurm_merges_to_one_run_and_a_requeued_task_change
     while not set(submission_groups().values()) & set(descendants(os.getpid())):  # a notebook in its sandbox
         assert time.monotonic() < deadline, (out / f"autograde-{rerun}_2.log").read_text(errors="replace")
         time.sleep(0.2)
-    cluster.run("scontrol", "requeue", f"{rerun}_2")
+    cluster.requeue(f"{rerun}_2")
     deadline = time.monotonic() + 120
     while cluster.jobs().get(f"{rerun}_2") not in ("PENDING", None):
         assert time.monotonic() < deadline, cluster.jobs()
