@@ -7,7 +7,10 @@ expose the exercise's functions and the module's adapters by name, and `draw`, s
 A call on `submission` runs in the learner's sandboxed process when a notebook is graded, and
 comes back as observations: `TensorValue` for tensors, plain values as they are, `OtherValue`
 for anything else, dicts, lists and tuples of these. `reference` gives the same observations
-from the course's solution, run in float64. `assert_same` holds one against the other.
+from the course's solution, run in float64, or, for an adapter given an `@oracle`, from the
+oracle: the definition the solution computes by other means, where the solution's own way would
+cost the grader more than the learner's code does (a kernel in Triton's interpreter).
+`assert_same` holds one against the other.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from autograde.cases import TOLERANCE, Draw, Inputs
 from autograde.grading.compare import compare_floats, compare_tensor, describe
 from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, pair, raised
 
-__all__ = ["adapter", "adapters_of", "assert_rule", "assert_same", "returned_pair", "Draw", "Inputs", "ContractError",
-           "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats", "TOLERANCE"]
+__all__ = ["adapter", "adapters_of", "oracle", "oracle_of", "assert_rule", "assert_same", "returned_pair", "Draw",
+           "Inputs", "ContractError", "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats",
+           "TOLERANCE"]
 
 
 def adapter(function: Callable) -> Callable:
@@ -32,6 +36,20 @@ def adapter(function: Callable) -> Callable:
     """
     function.__autograde_adapter__ = True
     return function
+
+
+def oracle(of: Callable) -> Callable[[Callable], Callable]:
+    """Mark `function(inputs)` as what `reference` returns for the adapter `of`, in place of the
+    solution run through it: an independent computation of the same observations, in float64.
+    It runs in the grading process on the course's own inputs, never on learner code."""
+    def mark(function: Callable) -> Callable:
+        of.__autograde_oracle__ = function
+        return function
+    return mark
+
+
+def oracle_of(adapter_function: Callable) -> Callable | None:
+    return getattr(adapter_function, "__autograde_oracle__", None)
 
 
 def adapters_of(module) -> dict[str, Callable]:

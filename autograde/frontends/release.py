@@ -23,8 +23,6 @@ import tempfile
 from pathlib import Path
 
 import nbformat
-from nbgrader.apps import NbGraderAPI
-from traitlets.config import Config
 
 from autograde import course, registry
 from autograde.cases import Exercise
@@ -117,6 +115,10 @@ def assignments(solutions: Path) -> list[str]:
 
 
 def generate(course: Path, assignment: str) -> None:
+    # Imported here: nbgrader takes half a second to import, which every `autograde grade` would pay.
+    from nbgrader.apps import NbGraderAPI
+    from traitlets.config import Config
+
     config = Config()
     config.CourseDirectory.root = str(course)
     config.GenerateAssignment.no_database = True

@@ -18,8 +18,6 @@ past the first, so that a D_i summed over one key block only shows.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -40,6 +38,7 @@ from autograde.tests.test_flash_forward import (
     WHOLE_HEAD_DIM,
     WHOLE_LENGTH,
     assert_whole_scores_kept,
+    attention_by_definition,
     attention_inputs,
     call_text,
     draw_lengths,
@@ -49,7 +48,6 @@ from autograde.tests.test_flash_forward import (
     rows_attending_nothing,
     whole_scores_note,
 )
-from autograde.tests.test_sdpa import bottom_right_causal
 
 BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)
@@ -59,18 +57,6 @@ SAVED_RULE, SAVED = rules.saved(FUNCTION)
 BACKWARD_CASES = FORWARD_CASES
 APPLY_CASES = {f"{lengths}, {edges}, {causal}": (lengths, edges, causal)
                for lengths in LENGTHS for edges in EDGES for causal in CAUSAL}
-
-
-def attention_by_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple:
-    """out and lse in float64, straight from the definition (the grader's own code, for inputs)."""
-    q, k, v = q.double(), k.double(), v.double()
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = scores.masked_fill(~bottom_right_causal(q.shape[-2], k.shape[-2]), -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    # A row that attends nothing has lse -inf, and -inf - (-inf) is NaN: its weights are 0.
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    return weights @ v, lse
 
 
 def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, causal: bool,

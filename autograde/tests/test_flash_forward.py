@@ -23,6 +23,8 @@ the row or wider.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ from autograde import rules
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
 from autograde.sandbox.observe import pair
 from autograde.testing import adapter, assert_rule, assert_same
+from autograde.tests.test_sdpa import bottom_right_causal
 
 ONLINE, FORWARD = "online_softmax", "flash_attention_forward"
 OPTIONS = ("causal", "block_q", "block_k")
@@ -67,6 +70,18 @@ def attention_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: 
     """q, k, v drawn in `dtype`, and the call's options (causal, block sizes) as given."""
     return {"q": draw.normal(B, H, L, d, dtype=dtype), "k": draw.normal(B, H, S, d, dtype=dtype),
             "v": draw.normal(B, H, S, d, dtype=dtype), **options}
+
+
+def attention_by_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple:
+    """out and lse in float64, straight from the definition: the backward's inputs, and the Triton kernel's oracle."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~bottom_right_causal(q.shape[-2], k.shape[-2]), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row that attends nothing has lse -inf, and -inf - (-inf) is NaN: its weights are 0.
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return weights @ v, lse
 
 
 def draw_lengths(draw: Draw, lengths: str, edges: str, block_q: int, block_k: int) -> tuple[int, int]:

@@ -20,12 +20,20 @@ import torch
 from autograde import rules
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
 from autograde.sandbox.observe import ContractError, pair
-from autograde.testing import adapter, assert_rule, assert_same
-from autograde.tests.test_flash_forward import CAUSAL, HEAD_DIMS, LENGTHS, attention_inputs, rows_attending_nothing
+from autograde.testing import adapter, assert_rule, assert_same, oracle
+from autograde.tests.test_flash_forward import (
+    CAUSAL,
+    HEAD_DIMS,
+    LENGTHS,
+    attention_by_definition,
+    attention_inputs,
+    rows_attending_nothing,
+)
 
 TRITON = "flash_attention_triton"
 # Triton chooses to interpret when it is first imported, and decorates its own library then.
-# This process runs the reference kernel, so it chooses now, before anything imports Triton
+# This process may run a kernel (a learner's `check()`, the release's recording of the solution),
+# so it chooses now, before anything imports Triton
 # (`torch.utils.flop_counter` does): interpreted without a CUDA GPU. The fork server and the
 # worker are told through the exercise's `env`, so that the fork server never asks the driver,
 # whose threads would make its forks unsafe.
@@ -63,6 +71,16 @@ def triton_attention(functions, inputs: Inputs) -> dict:
             "lse": lse.cpu() if isinstance(lse, torch.Tensor) else lse, LAUNCHES: launches.count,
             WRITTEN: " and ".join(written) or "neither",
             OUTSIDE: outside.widest, f"{OUTSIDE} (call)": outside.widest_call}
+
+
+@oracle(of=triton_attention)
+def triton_attention_by_definition(inputs: Inputs) -> dict:
+    """out and lse in float64, and what the solution's wrapper reports: one launch, which stored both
+    results, and no reduction outside it. The solution's kernel itself, interpreted, took nine tenths
+    of a notebook's grading on the CPU; it is graded like any other against this oracle."""
+    out, lse = attention_by_definition(inputs["q"], inputs["k"], inputs["v"], inputs["causal"])
+    return {"out": out, "lse": lse, LAUNCHES: 1, WRITTEN: "out and lse",
+            OUTSIDE: 0, f"{OUTSIDE} (call)": "no reduction"}
 
 
 def triton_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, causal: bool) -> dict:
