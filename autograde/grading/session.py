@@ -27,7 +27,6 @@ from autograde.grading.proxies import LearnerFailed, SandboxedSubmission, _Proxy
 from autograde.sandbox.observe import Failure
 from autograde.submission.forbidden import Violation
 
-PLUGIN_NAME = "autograde-session"
 SEED_VARIABLE = "AUTOGRADE_SEED"
 
 

@@ -68,9 +68,6 @@ import triton  # noqa: F401
 
 from autograde.sandbox import isolation, syscall_filter, worker
 
-STDOUT_TAIL = 1500
-
-
 # Where each submission gets a group of its own: as root, inside the groups the grader runs in
 # (`isolation.submission_cgroup_parents`); without root, the version-2 group delegated to the
 # grader's user, where one is (`isolation.take_delegated_cgroup`); None: no group.

@@ -35,7 +35,6 @@ NEW_NAMESPACES = (isolation.CLONE_NEWNS, isolation.CLONE_NEWUTS, isolation.CLONE
                   isolation.CLONE_NEWNET, isolation.CLONE_NEWUSER, isolation.CLONE_NEWCGROUP)
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_CMP_MASKED_EQ = 7
-SCMP_ARCH_NATIVE = 0
 
 
 def SCMP_ACT_ERRNO(number: int) -> int:  # noqa: N802  (libseccomp's name)

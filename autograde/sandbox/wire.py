@@ -109,11 +109,6 @@ def _npy(path: Path, budget: "_Budget | None" = None) -> tuple[tuple[int, ...], 
     return tuple(shape), dtype, data
 
 
-def read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    shape, dtype, _ = _npy(path)
-    return shape, dtype
-
-
 def _load(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
