@@ -3,8 +3,8 @@
 `autograde/tests/conftest.py` (the tests' plugin) asks the run's `Session` for the exercise's
 `submission` and records each test's result in it. Every front end makes a `Session` and runs
 pytest with it: the instructor's `pytest autograde/tests/test_<id>.py --notebook ...`
-(`Session.from_options`), the grader (`grading.py`), `check()` and nbgrader's test cells
-(`self_check.py`, in the learner's kernel).
+(`Session.from_options`), the grader (`grade.py`), `check()` and nbgrader's test cells
+(`frontends/check.py`, `frontends/nbgrader.py`, in the learner's kernel).
 """
 
 from __future__ import annotations

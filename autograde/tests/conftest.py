@@ -7,7 +7,7 @@ Run the tests of one exercise on one notebook, as an instructor:
 Without `--notebook` they run on the course's solution; without `--seed` (or $AUTOGRADE_SEED)
 the hidden tests are not run. `-k`, `-x`, `--junitxml` and the rest of pytest work as usual.
 The learner's code runs in a sandboxed worker; this process only sends it calls and reads
-back what they returned (`autograde/proxies.py`).
+back what they returned (`autograde/grading/proxies.py`).
 
 Markers:
     @pytest.mark.points(1.5)   the test's points (shared equally by its parametrised cases)
@@ -17,7 +17,7 @@ Markers:
 
 Fixtures:
     submission   the learner's functions and the module's adapters, by name
-    reference    the same calls on the course's solution, in float64
+    reference    the same calls on the course's solution, in float64 (or an adapter's oracle)
     draw         seeded random inputs (`autograde.cases.Draw`)
 """
 

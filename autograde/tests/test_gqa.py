@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, raised
-from autograde.testing import adapter, assert_same
-from autograde.tests.test_mha import PROJECTIONS, describe_layer
+from autograde.sandbox.observe import ContractError
+from autograde.testing import adapter, assert_same, constructor_errors, learner_module, load_layers, structure_of
+from autograde.tests.test_mha import PROJECTIONS
 from autograde.tests.test_sdpa import bottom_right_causal, random_mask
 
 REPEAT, MODULE, CONVERT, BYTES = "repeat_kv", "GroupedQueryAttention", "mha_to_gqa", "kv_cache_bytes"
@@ -48,6 +48,12 @@ def projection_shapes(d_model: int, num_heads: int, num_kv_heads: int) -> dict[s
 
 def linear_text(in_features: int, out_features: int, bias: bool) -> str:
     return f"nn.Linear({in_features}, {out_features}, bias={bias})"
+
+
+def projection_texts(d_model: int, num_heads: int, num_kv_heads: int, bias: bool) -> dict[str, str]:
+    """Each projection as `describe_layer` names it."""
+    return {name: linear_text(in_features, out_features, bias)
+            for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items()}
 
 
 def projection_weights(draw: Draw, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, dtype) -> dict:
@@ -91,36 +97,19 @@ def structure(functions, inputs: Inputs) -> dict:
     for bias in (True, False):
         module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
         call = f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}, bias={bias})"
-        outputs[f"{call} is an nn.Module"] = isinstance(module, nn.Module)
-        for name in PROJECTIONS:
-            outputs[f"{call}.{name}"] = describe_layer(getattr(module, name, None))
-        for attribute in ("num_heads", "num_kv_heads", "head_dim"):
-            outputs[f"{call}.{attribute}"] = getattr(module, attribute, None)
+        outputs |= structure_of(module, call, PROJECTIONS, ("num_heads", "num_kv_heads", "head_dim"))
     return outputs
 
 
-@adapter
-def value_errors(functions, inputs: Inputs) -> dict:
-    return {f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}) raises":
-            raised(ValueError, functions.GroupedQueryAttention, d_model, num_heads, num_kv_heads)
-            for d_model, num_heads, num_kv_heads in inputs["calls"]}
+value_errors = constructor_errors("GroupedQueryAttention")
 
 
 def build_module(functions, inputs: Inputs) -> nn.Module:
     """The learner's module, holding the case's weights, in the dtype of `x`."""
     d_model, num_heads, num_kv_heads, bias = (inputs[k] for k in ("d_model", "num_heads", "num_kv_heads", "bias"))
     module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
-    if not isinstance(module, nn.Module):
-        raise ContractError(f"GroupedQueryAttention(...) should be an nn.Module; it is {type(module).__name__}")
-    module = module.to(inputs["x"].dtype)
-    for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items():
-        layer, expected = getattr(module, name, None), linear_text(in_features, out_features, bias)
-        if describe_layer(layer) != expected:
-            raise ContractError(f"GroupedQueryAttention.{name} should be {expected}; it is {describe_layer(layer)}")
-        with torch.no_grad():
-            layer.weight.copy_(inputs[f"{name}.weight"])
-            if bias:
-                layer.bias.copy_(inputs[f"{name}.bias"])
+    module = learner_module(module, "GroupedQueryAttention").to(inputs["x"].dtype)
+    load_layers(module, "GroupedQueryAttention", projection_texts(d_model, num_heads, num_kv_heads, bias), inputs)
     return module
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
 from autograde.sandbox.observe import ContractError, pair, raised
-from autograde.testing import adapter, assert_same
+from autograde.testing import adapter, assert_same, learner_module, load_layers, structure_of
 from autograde.tests.test_sdpa import random_mask
 
 SPLIT, MERGE, MODULE, LOAD = "split_heads", "merge_heads", "MultiHeadAttention", "load_torch_mha"
@@ -33,20 +33,10 @@ ATTENTION_CASES = {f"{kind}, {mask}, {bias}, {heads}": (kind, mask, bias, heads)
 DEFAULTS = ("key and value left to their defaults", "value left to its default")
 
 
-def describe_layer(layer) -> str:
-    if layer is None:
-        return "missing"
-    if isinstance(layer, nn.Linear):
-        return f"nn.Linear({layer.in_features}, {layer.out_features}, bias={layer.bias is not None})"
-    return type(layer).__name__
-
-
 def build_module(functions, inputs: Inputs, dtype: torch.dtype) -> nn.Module:
     """The learner's module in eval() mode (a test of its own holds train() mode to the same output)."""
     d_model, num_heads, bias = inputs["d_model"], inputs["num_heads"], inputs["bias"]
-    module = functions.MultiHeadAttention(d_model, num_heads, bias=bias)
-    if not isinstance(module, nn.Module):
-        raise ContractError(f"MultiHeadAttention(...) should be an nn.Module; it is {type(module).__name__}")
+    module = learner_module(functions.MultiHeadAttention(d_model, num_heads, bias=bias), "MultiHeadAttention")
     return module.to(dtype).eval()
 
 
@@ -54,14 +44,7 @@ def set_projections(module: nn.Module, inputs: Inputs) -> None:
     """Give the learner's projections the case's weights, so that outputs can be compared."""
     d_model, bias = inputs["d_model"], inputs["bias"]
     expected = f"nn.Linear({d_model}, {d_model}, bias={bias})"
-    for name in PROJECTIONS:
-        layer = getattr(module, name, None)
-        if describe_layer(layer) != expected:
-            raise ContractError(f"MultiHeadAttention.{name} should be {expected}; it is {describe_layer(layer)}")
-        with torch.no_grad():
-            layer.weight.copy_(inputs[f"{name}.weight"])
-            if bias:
-                layer.bias.copy_(inputs[f"{name}.bias"])
+    load_layers(module, "MultiHeadAttention", dict.fromkeys(PROJECTIONS, expected), inputs)
 
 
 def forward(module, *args, mask=None) -> tuple:
@@ -103,10 +86,7 @@ def structure(functions, inputs: Inputs) -> dict:
     outputs = {}
     for bias in (True, False):
         module = functions.MultiHeadAttention(d_model, num_heads, bias=bias)
-        call = f"MultiHeadAttention({d_model}, {num_heads}, bias={bias})"
-        outputs[f"{call} is an nn.Module"] = isinstance(module, nn.Module)
-        for name in PROJECTIONS:
-            outputs[f"{call}.{name}"] = describe_layer(getattr(module, name, None))
+        outputs |= structure_of(module, f"MultiHeadAttention({d_model}, {num_heads}, bias={bias})", PROJECTIONS)
     for d_model, num_heads in inputs["indivisible"]:
         outputs[f"MultiHeadAttention({d_model}, {num_heads}) raises"] = raised(
             ValueError, functions.MultiHeadAttention, d_model, num_heads)

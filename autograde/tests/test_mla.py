@@ -19,8 +19,9 @@ from torch import nn
 
 from autograde import rules
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, pair
-from autograde.testing import adapter, assert_rule, assert_same
+from autograde.sandbox.observe import pair
+from autograde.testing import adapter, assert_rule, assert_same, learner_module, load_layers, structure_of
+from autograde.tests.test_gqa import linear_text
 from autograde.tests.test_kv_cache import ragged
 from autograde.tests.test_rope import BASES, DEFAULT_BASE, decoded, options_text
 from autograde.tests.test_sdpa import bottom_right_causal, random_mask
@@ -69,16 +70,6 @@ def sizes_of(inputs: Inputs) -> tuple[int, int, int, int, int]:
     return tuple(inputs[k] for k in ("d_model", "num_heads", "head_dim", "kv_latent_dim", "rope_dim"))
 
 
-def describe_layer(layer) -> str:
-    if layer is None:
-        return "None"
-    if isinstance(layer, str):  # absent
-        return layer
-    if isinstance(layer, nn.Linear):
-        return f"nn.Linear({layer.in_features}, {layer.out_features}, bias={layer.bias is not None})"
-    return type(layer).__name__
-
-
 def latent_values(draw: Draw, x: torch.Tensor, num_heads: int, head_dim: int, kv_latent_dim: int, rope_dim: int,
                   base: float | None) -> dict:
     """x first (its dtype is the case's), the sizes, the base (None: the default) and seeded weights."""
@@ -99,30 +90,17 @@ def structure(functions, inputs: Inputs) -> dict:
     keyword = {} if base is None else {"rope_base": base}
     module = functions.MultiHeadLatentAttention(*sizes, **keyword)
     call = f"MultiHeadLatentAttention({', '.join(map(str, sizes))}{options_text(keyword)})"
-    outputs = {f"{call} is an nn.Module": isinstance(module, nn.Module)}
-    for name in LAYERS:
-        outputs[f"{call}.{name}"] = describe_layer(getattr(module, name, "missing"))
-    for attribute in ("num_heads", "head_dim", "kv_latent_dim", "rope_dim", "rope_base"):
-        outputs[f"{call}.{attribute}"] = getattr(module, attribute, None)
-    return outputs
+    return structure_of(module, call, LAYERS, ("num_heads", "head_dim", "kv_latent_dim", "rope_dim", "rope_base"))
 
 
 def build_module(functions, inputs: Inputs) -> nn.Module:
     """The learner's module holding the case's weights, in the dtype of `x`."""
     sizes, base = sizes_of(inputs), inputs["rope_base"]
     module = functions.MultiHeadLatentAttention(*sizes, **({} if base is None else {"rope_base": base}))
-    if not isinstance(module, nn.Module):
-        raise ContractError(f"MultiHeadLatentAttention(...) should be an nn.Module; it is {type(module).__name__}")
-    module = module.to(inputs["x"].dtype)
+    module = learner_module(module, "MultiHeadLatentAttention").to(inputs["x"].dtype)
     shapes = layer_shapes(*sizes)
-    for name in LAYERS:
-        layer = getattr(module, name, "missing")
-        expected = f"nn.Linear({shapes[name][0]}, {shapes[name][1]}, bias=False)" if name in shapes else "None"
-        if describe_layer(layer) != expected:
-            raise ContractError(f"MultiHeadLatentAttention.{name} should be {expected}; it is {describe_layer(layer)}")
-        if layer is not None:
-            with torch.no_grad():
-                layer.weight.copy_(inputs[f"{name}.weight"])
+    expected = {name: linear_text(*shapes[name], bias=False) if name in shapes else "None" for name in LAYERS}
+    load_layers(module, "MultiHeadLatentAttention", expected, inputs)
     return module
 
 

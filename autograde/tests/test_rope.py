@@ -17,10 +17,10 @@ from torch import nn
 
 from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
 from autograde.sandbox.observe import ContractError, kind_of, pair, raised
-from autograde.testing import adapter, assert_same
-from autograde.tests.test_gqa import GROUPED, linear_text, module_inputs, projection_shapes, projection_weights
+from autograde.testing import adapter, assert_same, constructor_errors, learner_module, load_layers, structure_of
+from autograde.tests.test_gqa import GROUPED, module_inputs, projection_texts, projection_weights
 from autograde.tests.test_kv_cache import checked_tensor, decoding_inputs, given_module, ragged
-from autograde.tests.test_mha import PROJECTIONS, describe_layer
+from autograde.tests.test_mha import PROJECTIONS
 from autograde.tests.test_sdpa import bottom_right_causal, random_mask
 
 ROPE, MODULE, STEP = "apply_rope", "RotaryGroupedQueryAttention", "rope_decode_step"
@@ -72,20 +72,12 @@ def structure(functions, inputs: Inputs) -> dict:
         keyword = {} if base is None else {"rope_base": base}
         module = functions.RotaryGroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias, **keyword)
         arguments = f"{d_model}, {num_heads}, {num_kv_heads}, bias={bias}{options_text(keyword)}"
-        call = f"RotaryGroupedQueryAttention({arguments})"
-        outputs[f"{call} is an nn.Module"] = isinstance(module, nn.Module)
-        for name in PROJECTIONS:
-            outputs[f"{call}.{name}"] = describe_layer(getattr(module, name, None))
-        for attribute in ("num_heads", "num_kv_heads", "head_dim", "rope_base"):
-            outputs[f"{call}.{attribute}"] = getattr(module, attribute, None)
+        outputs |= structure_of(module, f"RotaryGroupedQueryAttention({arguments})", PROJECTIONS,
+                                ("num_heads", "num_kv_heads", "head_dim", "rope_base"))
     return outputs
 
 
-@adapter
-def value_errors(functions, inputs: Inputs) -> dict:
-    return {f"RotaryGroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}) raises":
-            raised(ValueError, functions.RotaryGroupedQueryAttention, d_model, num_heads, num_kv_heads)
-            for d_model, num_heads, num_kv_heads in inputs["calls"]}
+value_errors = constructor_errors("RotaryGroupedQueryAttention")
 
 
 def build_module(functions, inputs: Inputs) -> nn.Module:
@@ -93,18 +85,9 @@ def build_module(functions, inputs: Inputs) -> nn.Module:
     d_model, num_heads, num_kv_heads, bias = (inputs[k] for k in ("d_model", "num_heads", "num_kv_heads", "bias"))
     keyword = {} if inputs.get("rope_base") is None else {"rope_base": inputs["rope_base"]}
     module = functions.RotaryGroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias, **keyword)
-    if not isinstance(module, nn.Module):
-        raise ContractError(f"RotaryGroupedQueryAttention(...) should be an nn.Module; it is {type(module).__name__}")
-    module = module.to(inputs["x"].dtype)
-    for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items():
-        layer, expected = getattr(module, name, None), linear_text(in_features, out_features, bias)
-        if describe_layer(layer) != expected:
-            raise ContractError(f"RotaryGroupedQueryAttention.{name} should be {expected}; "
-                                f"it is {describe_layer(layer)}")
-        with torch.no_grad():
-            layer.weight.copy_(inputs[f"{name}.weight"])
-            if bias:
-                layer.bias.copy_(inputs[f"{name}.bias"])
+    module = learner_module(module, "RotaryGroupedQueryAttention").to(inputs["x"].dtype)
+    load_layers(module, "RotaryGroupedQueryAttention", projection_texts(d_model, num_heads, num_kv_heads, bias),
+                inputs)
     return module
 
 
