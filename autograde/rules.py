@@ -43,7 +43,8 @@ _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.o
 
 
 class Footprint(TorchDispatchMode):
-    """While active: the largest tensor any operator returns, and the matmul FLOPs spent.
+    """While active: the largest tensor any operator returns, the elements of all but views, and the
+    matmul FLOPs spent.
 
     FLOPs follow `FlopCounterMode`'s formulas (2 m n k per product). Counting them here
     rather than running `FlopCounterMode` itself gives the same numbers for these operators
@@ -58,6 +59,7 @@ class Footprint(TorchDispatchMode):
 
         self.formulas = {op: flop_registry[op] for op in _MATMULS}
         self.largest = 0
+        self.produced = 0  # elements computed: of every tensor returned but views, however the work is split
         self.matmul_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -66,6 +68,8 @@ class Footprint(TorchDispatchMode):
         for value in _pytree.tree_leaves(out):
             if isinstance(value, torch.Tensor):
                 self.largest = max(self.largest, value.numel())
+                if not func.is_view:
+                    self.produced += value.numel()
         if func.overloadpacket in self.formulas:
             self.matmul_flops += self.formulas[func.overloadpacket](*args, **kwargs, out_val=out)
         return out

@@ -141,6 +141,21 @@ def mla_decode_step(module, x_new, cache=None):
     return module.o_proj(out.reshape(batch, n, heads * width)), (latent, rope_keys)
 '''
 
+# Every head's keys and values rebuilt from the latent, sixteen cached tokens at a time: no tensor is
+# large, and the values are right; only the work shows it (issue of a red team: expansion in pieces).
+EXPANDED_IN_PIECES_STEP = EXPANDED_STEP.replace(
+    "    k = module.k_up(latent).reshape(batch, total, heads, width)\n"
+    "    v = module.v_up(latent).reshape(batch, total, heads, width)\n"
+    "    scores = torch.einsum(\"bnhd,bshd->bnhs\", q[..., :width], k) + torch.einsum(\"bnhr,bsr->bnhs\", q_rotary, rope_keys)\n",
+    "    pieces = [(module.k_up(latent[:, s:s + 16]).reshape(batch, -1, heads, width),\n"
+    "               module.v_up(latent[:, s:s + 16]).reshape(batch, -1, heads, width)) for s in range(0, total, 16)]\n"
+    "    scores = torch.cat([torch.einsum(\"bnhd,bshd->bnhs\", q[..., :width], k) for k, _ in pieces], dim=-1)\n"
+    "    scores = scores + torch.einsum(\"bnhr,bsr->bnhs\", q_rotary, rope_keys)\n").replace(
+    "    out = torch.einsum(\"bnhs,bshd->bnhd\", torch.softmax(scores, dim=-1), v)\n",
+    "    weights = torch.softmax(scores, dim=-1)\n"
+    "    out = sum(torch.einsum(\"bnhs,bshd->bnhd\", weights[..., 16 * i:16 * i + v.shape[1]], v)\n"
+    "              for i, (_, v) in enumerate(pieces))\n")
+
 # As a learner caches for GQA: the keys (content and rotary parts) and values of every head.
 PER_HEAD_CACHE_STEP = '''
 import math
@@ -191,6 +206,8 @@ MLA_WRONG = [
         ROTARY_DECODE - fs("decode-given-cache[empty cache (t = 0)]"), fs("decode-random[rope_dim > 0]")),
     # Values right, memory not: the rule is the only test it fails.
     Variant("latent-expanded-into-per-head-keys", "mla", {MLA_STEP: EXPANDED_STEP},
+            MEMORY, fs("memory-rule-random")),
+    Variant("latent-expanded-in-pieces", "mla", {MLA_STEP: EXPANDED_IN_PIECES_STEP},
             MEMORY, fs("memory-rule-random")),
     Variant("latent-broadcast-over-the-heads", "mla", {MLA_STEP: replaced(
         "mla", MLA_STEP,

@@ -37,6 +37,10 @@ LARGEST = "largest tensor created by mla_decode_step (elements)"
 LIMIT = ("the largest of B*H*(t+1)*2, B*H*max(kv_latent_dim, head_dim + rope_dim), "
          "B*(t+1)*(kv_latent_dim + rope_dim) and the module's largest weight")
 EXPANDED = "the cached latents expanded into per-head keys, B*(t+1)*H*head_dim"
+# The work of the step, so that an expansion done in pieces, none of them large, shows too.
+COMPUTED = "elements computed by mla_decode_step (every tensor returned but views)"
+FLOPS = "matmul FLOPs of mla_decode_step"
+EXPANSION_FLOPS = "matmul FLOPs of expanding the cached latents into per-head keys, 2*B*(t+1)*kv_latent_dim*H*head_dim"
 
 
 def _judge_memory(expected: dict, got: dict) -> list[str]:
@@ -53,7 +57,30 @@ def _judge_memory(expected: dict, got: dict) -> list[str]:
             "over the heads copies it once per head)."]
 
 
-MEMORY_RULE = rules.Rule("memory", (LARGEST,), _judge_memory)
+def _judge_work(expected: dict, got: dict) -> list[str]:
+    """An expansion, however split, computes the keys of every head: B*(t+1)*H*head_dim elements, at
+    2*kv_latent_dim FLOPs each. The absorbed step computes fewer elements than that in all (0.3 to 0.9
+    of it in these cases). Allowed: the reference's work plus half the expansion's FLOPs, and plus
+    the expanded keys' elements (three more copies of the cache and then some, in these cases)."""
+    problems = []
+    for key, allowed, margin in ((COMPUTED, expected[COMPUTED] + expected[EXPANDED],
+                                  "plus the expanded keys' elements"),
+                                 (FLOPS, expected[FLOPS] + expected[EXPANSION_FLOPS] // 2,
+                                  "plus half the FLOPs of expanding the keys")):
+        measured = got[key]
+        if not (isinstance(measured, Real) and not isinstance(measured, bool)):
+            problems.append(f"weight absorption: `{key}` should be a number, got {measured!r}")
+        elif measured > allowed:
+            problems.append(
+                f"weight absorption broken: {key}: {measured:,}, {measured / max(expected[key], 1):.3g}x the "
+                f"reference's {expected[key]:,}; at most {allowed:,} are allowed (the reference's {margin}). The "
+                "step never expands the cached latent per head, not even in pieces: absorb k_up into the queries "
+                "and v_up into the outputs.")
+    return problems
+
+
+MEMORY_RULE = rules.Rule("memory", (LARGEST, COMPUTED, FLOPS),
+                         lambda expected, got: _judge_memory(expected, got) + _judge_work(expected, got))
 
 
 def layer_shapes(d_model: int, num_heads: int, head_dim: int, kv_latent_dim: int, rope_dim: int) -> dict:
@@ -147,7 +174,8 @@ def memory_bounds(inputs: Inputs) -> dict:
     weights = max(a * b for a, b in layer_shapes(*sizes_of(inputs)).values())
     limit = max(batch * num_heads * (t + 1) * 2, batch * num_heads * max(kv_latent_dim, head_dim + rope_dim),
                 batch * (t + 1) * (kv_latent_dim + rope_dim), weights)
-    return {LIMIT: limit, EXPANDED: batch * (t + 1) * num_heads * head_dim}
+    expanded = batch * (t + 1) * num_heads * head_dim
+    return {LIMIT: limit, EXPANDED: expanded, EXPANSION_FLOPS: 2 * expanded * kv_latent_dim}
 
 
 @adapter
@@ -157,7 +185,8 @@ def decode_memory(functions, inputs: Inputs) -> dict:
     with rules.Footprint() as footprint:
         out, cache = pair(functions.mla_decode_step(module, x, cache), "mla_decode_step(module, x_new, cache)",
                           "(out, (latent, rope_keys))")
-    return {"out": out, LARGEST: footprint.largest, **memory_bounds(inputs)}
+    return {"out": out, LARGEST: footprint.largest, COMPUTED: footprint.produced, FLOPS: footprint.matmul_flops,
+            **memory_bounds(inputs)}
 
 
 @adapter
@@ -336,7 +365,7 @@ def test_decode_given_cache(submission, reference, draw, case):
 @pytest.mark.points(1.0)
 @pytest.mark.uses(STEP)
 def test_memory_rule(submission, reference, draw):
-    """one new token: no tensor as large as the latents expanded per head"""
+    """one new token: no tensor as large as the latents expanded per head, nor the work of expanding them"""
     inputs = memory_inputs(draw)
     assert_rule(submission.decode_memory(inputs), reference.decode_memory(inputs), MEMORY_RULE, inputs)
 
@@ -373,7 +402,7 @@ def test_decode_random(submission, reference, draw, rotary):
 @pytest.mark.points(0.5)
 @pytest.mark.uses(STEP)
 def test_memory_rule_random(submission, reference, draw):
-    """the memory rule with random sizes"""
+    """the memory and work bounds with random sizes"""
     inputs = memory_random_inputs(draw)
     assert_rule(submission.decode_memory(inputs), reference.decode_memory(inputs), MEMORY_RULE, inputs)
 
