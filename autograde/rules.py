@@ -75,6 +75,24 @@ class Footprint(TorchDispatchMode):
         return out
 
 
+class AutogradRecorded:
+    """While active: how many tensors autograd saved for a backward, that is, whether code recorded
+    a graph to differentiate (`torch.autograd.graph.saved_tensors_hooks`, in this thread)."""
+
+    def __enter__(self) -> "AutogradRecorded":
+        self.saved = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved += 1
+        return tensor
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def saved_for_backward(output: torch.Tensor, known: dict[str, torch.Tensor]) -> str:
     """What the autograd Function that produced `output` keeps for its backward, in words.
 
@@ -373,6 +391,21 @@ def saved(function: str) -> tuple[Rule, str]:
                 f"{expected[key]}, and the backward recomputes the probabilities block by block from lse."]
 
     return Rule("saved tensors", (key,), judge), key
+
+
+def by_hand(function: str) -> tuple[Rule, str]:
+    """The rule that `function` computes its gradients by hand, with the key its probe reports: no
+    autograd graph recorded while it runs (`AutogradRecorded`)."""
+    key = f"tensors autograd saved for a backward during {function}"
+
+    def judge(expected: dict, got: dict) -> list[str]:
+        if _number(got[key]) and got[key] == 0:
+            return []
+        return [f"hand-written backward rule broken: during {function}, autograd recorded a graph to differentiate "
+                f"({got[key]!r} tensors saved for its backward); the gradients are the exercise: compute them by "
+                "hand, block by block, not with torch.autograd.grad or .backward() on a recomputed forward."]
+
+    return Rule("hand-written backward", (key,), judge), key
 
 
 def launched(function: str) -> tuple[Rule, str, str, str]:

@@ -146,7 +146,8 @@ def mla_decode_step(module, x_new, cache=None):
 EXPANDED_IN_PIECES_STEP = EXPANDED_STEP.replace(
     "    k = module.k_up(latent).reshape(batch, total, heads, width)\n"
     "    v = module.v_up(latent).reshape(batch, total, heads, width)\n"
-    "    scores = torch.einsum(\"bnhd,bshd->bnhs\", q[..., :width], k) + torch.einsum(\"bnhr,bsr->bnhs\", q_rotary, rope_keys)\n",
+    "    scores = torch.einsum(\"bnhd,bshd->bnhs\", q[..., :width], k) + "
+    "torch.einsum(\"bnhr,bsr->bnhs\", q_rotary, rope_keys)\n",
     "    pieces = [(module.k_up(latent[:, s:s + 16]).reshape(batch, -1, heads, width),\n"
     "               module.v_up(latent[:, s:s + 16]).reshape(batch, -1, heads, width)) for s in range(0, total, 16)]\n"
     "    scores = torch.cat([torch.einsum(\"bnhd,bshd->bnhs\", q[..., :width], k) for k, _ in pieces], dim=-1)\n"
