@@ -126,6 +126,9 @@ class Exercise:
     # Whether its worker may reach the machine's CUDA GPU: only an exercise that runs kernels
     # there (a GPU's memory is beyond the sandbox's limits; THREAT_MODEL.md, "GPUs").
     gpu: bool = False
+    # Whether rules are measured by torch's modes in the learner's process (`autograde.rules`): code
+    # that computes outside torch (numpy) escapes them, so the review scan shows it to a person.
+    rules_in_process: bool = False
 
     @property
     def notebook(self) -> str:

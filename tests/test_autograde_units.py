@@ -279,6 +279,19 @@ def test_honest_code_and_the_solutions_need_no_review():
         assert forbidden.review(cells, exercise) == [], exercise.id
 
 
+@pytest.mark.parametrize("line, evidence", [
+    ("    import numpy as np\n    return np.asarray(x)", "numpy: computes outside torch"),
+    ("    return torch.from_numpy(x.detach().numpy())", ".numpy(): computes outside torch"),
+])
+def test_numpy_is_shown_where_rules_are_measured_in_the_learners_process(line, evidence):
+    cells = [("cell 1", "import torch\n"),
+             ("cell 2", f"def online_softmax(x, block_size):\n    return helper(x)\ndef helper(x):\n{line}\n")]
+    [found] = forbidden.review(cells, exercises.get("flash_forward"))
+    assert found.name.startswith(evidence), found
+    sdpa = [cells[0], ("cell 2", cells[1][1].replace("online_softmax(x, block_size)", "causal_mask(x)"))]
+    assert forbidden.review(sdpa, exercises.get("sdpa")) == []  # no rule there for numpy to escape
+
+
 def test_a_grade_for_review_keeps_its_points_and_says_why():
     exercise = exercises.get("sdpa")
     results = (CaseResult("a", 2.0, True, "", ""), CaseResult("b", 3.0, False, "", "", ("wrong",)))

@@ -212,6 +212,7 @@ _NAMESPACES = "a namespace read or changed by key hands out functions under no n
 _BY_NAME = "an attribute fetched by a name the scan does not read, or a private one"
 _PATCHES = "changes an attribute by name (a library's function replaced, say)"
 _STRINGS = "runs code the scan never reads"
+_OUTSIDE_TORCH = "computes outside torch, where the rules measured in the learner's process do not look"
 _MODULES = {  # shown where imported
     "importlib": "imports a module by a name built at run time, around the scan",
     "ctypes": "calls C directly, around torch, the tripwire and the rules",
@@ -281,10 +282,17 @@ def _private(name: ast.AST) -> bool:
     return isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_")
 
 
-def _internals(tree: ast.AST, torch_names: set[str], modules: dict[str, str]) -> Iterable[tuple[ast.AST, str]]:
+def _internals(tree: ast.AST, torch_names: set[str], modules: dict[str, str],
+               outside_torch: bool = False) -> Iterable[tuple[ast.AST, str]]:
+    """What `review` shows; with `outside_torch`, also numpy, imported or reached with `.numpy()`."""
     calls = {id(node.func): node for node in ast.walk(tree) if isinstance(node, ast.Call)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
+        if outside_torch and isinstance(node, ast.Attribute) and node.attr == "numpy":
+            yield node, f".numpy(): {_OUTSIDE_TORCH}"
+        elif outside_torch and isinstance(node, (ast.Import, ast.ImportFrom)) and \
+                any(name.split(".")[0] == "numpy" for name in _imported(node)):
+            yield node, f"numpy: {_OUTSIDE_TORCH}"
+        elif isinstance(node, ast.Attribute):
             dotted = _dotted(node)
             root, _, rest = (dotted or "").partition(".")
             why = _REFLECTIVE_ATTRIBUTES.get(node.attr) or dotted and (
@@ -324,8 +332,9 @@ def _changes_objects_at_import(statement: ast.stmt) -> bool:
 
 def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
     """Reflection, concurrency and torch's internals in the code the exercise's functions reach, or in
-    top-level code that changes objects when the notebook runs: no rule is broken by itself, but it
-    can go around the scan, the tripwire and the rules measured in the worker, so a person should look.
+    top-level code that changes objects when the notebook runs (and, where rules are measured in the
+    learner's process, numpy): no rule is broken by itself, but it can go around the scan, the
+    tripwire and the rules measured in the worker, so a person should look.
     Each is named with the reason it matters."""
     cells = list(cells)
     parsed = []
@@ -338,7 +347,7 @@ def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
     patching = {name for tree in parsed for statement in tree.body if _changes_objects_at_import(statement)
                 for name in _names_in(statement)}
     return _found(cells, [*exercise.required, *patching], lambda tree, torch_names: _internals(
-        tree, torch_names, modules), also=_changes_objects_at_import)
+        tree, torch_names, modules, exercise.rules_in_process), also=_changes_objects_at_import)
 
 
 def _names_in(statement: ast.stmt) -> set[str]:

@@ -197,6 +197,7 @@ EXERCISE = Exercise(
     title="The tiled backward pass",
     required=(FORWARD, BACKWARD, FUNCTION),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
+    rules_in_process=True,
 )
 
 

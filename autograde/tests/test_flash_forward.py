@@ -318,6 +318,7 @@ EXERCISE = Exercise(
     title="Online softmax and the tiled forward pass",
     required=(ONLINE, FORWARD),
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
+    rules_in_process=True,
 )
 
 

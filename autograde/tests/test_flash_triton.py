@@ -132,6 +132,7 @@ EXERCISE = Exercise(
     not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
     env=INTERPRET,
     gpu=True,  # compiled kernels run on the GPU where there is one
+    rules_in_process=True,
 )
 
 

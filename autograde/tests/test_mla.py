@@ -313,6 +313,7 @@ EXERCISE = Exercise(
     title="Multi-head latent attention (DeepSeek-V2)",
     required=(MODULE, STEP, BYTES),
     not_allowed=NOT_ALLOWED_ATTENTION,
+    rules_in_process=True,
 )
 
 
