@@ -241,6 +241,32 @@ def _latent_scaled_without_rope_dim(module_class):
     return ScaledByHeadDim
 
 
+def _window_one_wider(mask):
+    def wider(L, S, window):
+        return mask(L, S, window + 1)
+    return wider
+
+
+def _window_top_left(mask):
+    """The band measured from the top-left corner: query i sees i - window < j <= i, as if L were S."""
+    def top_left(L, S, window):
+        n = max(L, S)
+        return mask(n, n, window)[:L, :S]
+    return top_left
+
+
+def _sink_in_the_numerator(attention):
+    """The sink's weight added to every output entry, as if its value were all ones (the solution's
+    output with values of ones is 1 less the sink's weight, in each row that attends something)."""
+    def numerator(q, k, v, window, sink_logits=None):
+        out = attention(q, k, v, window, sink_logits)
+        if sink_logits is None:
+            return out
+        kept = attention(q, k, torch.ones_like(v[..., :1]), window, sink_logits)
+        return out + (1 - kept)
+    return numerator
+
+
 MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("sdpa", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
                   {"scaled_dot_product_attention": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
@@ -326,6 +352,17 @@ MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("mla", "scaled-without-rope-dim", "scores divided by √head_dim instead of √(head_dim + rope_dim): "
                                                     "the rotary part of each query and key counts in the width too",
                   {"MultiHeadLatentAttention": _latent_scaled_without_rope_dim}),
+    Misconception("window", "window-off-by-one", "a band of window + 1 keys (j >= i + S - L - window) instead of "
+                                                 "window (j > i + S - L - window)",
+                  {"sliding_window_mask": _window_one_wider}),
+    Misconception("window", "top-left-alignment", "a band aligned top-left (i - window < j <= i) instead of "
+                                                  "bottom-right (shifted by S - L): the last query must see the "
+                                                  "last key",
+                  {"sliding_window_mask": _window_top_left}),
+    Misconception("window", "sink-in-the-numerator", "the sink's weight added to the output as well, as if its "
+                                                     "value were ones: the sink joins the softmax's denominator "
+                                                     "only (its value is 0)",
+                  {"windowed_attention": _sink_in_the_numerator}),
 )
 
 

@@ -16,11 +16,12 @@ from tests.test_exercise_flash import WRONG as FLASH_WRONG
 from tests.test_exercise_gqa_kv_cache import WRONG as GQA_KV_WRONG
 from tests.test_exercise_rope_mla import MLA_WRONG, ROPE_WRONG
 from tests.test_exercise_split_kv_paged_kv import PAGED_WRONG, SPLIT_WRONG
+from tests.test_exercise_window import WRONG as WINDOW_WRONG
 
 pytestmark = pytest.mark.timeout(300)
 
 # The exercises with misconceptions so far (flash_backward and flash_triton have none yet).
-DIAGNOSED = ("sdpa", "mha", "gqa", "kv_cache", "rope", "mla", "flash_forward", "split_kv", "paged_kv")
+DIAGNOSED = ("sdpa", "mha", "gqa", "kv_cache", "rope", "mla", "flash_forward", "split_kv", "paged_kv", "window")
 CAUSE = "likely cause: your output equals "
 
 
@@ -85,7 +86,10 @@ NAMED = [("sdpa", SDPA_WRONG, "no-scaling", "not-scaled"),
          ("paged_kv", PAGED_WRONG, "pages-in-the-order-of-their-numbers", "pages-sorted"),
          ("paged_kv", PAGED_WRONG, "attends-the-whole-last-page", "whole-last-page"),
          ("paged_kv", PAGED_WRONG, "query-head-i-reads-kv-head-i-mod-h-kv", "kv-heads-tiled"),
-         ("paged_kv", PAGED_WRONG, "writes-at-the-last-cached-position", "at-last-cached-position")]
+         ("paged_kv", PAGED_WRONG, "writes-at-the-last-cached-position", "at-last-cached-position"),
+         ("window", WINDOW_WRONG, "window-off-by-one", "window-off-by-one"),
+         ("window", WINDOW_WRONG, "top-left-alignment", "top-left-alignment"),
+         ("window", WINDOW_WRONG, "sink-logit-in-the-numerator", "sink-in-the-numerator")]
 
 
 @pytest.mark.parametrize("exercise_id, variants, variant, misconception", [tiered(n[0], *n) for n in NAMED],
