@@ -97,7 +97,10 @@ def test_skip_nbgrader_times_the_grader_alone_with_its_scaling_and_each_exercise
     assert written["notebooks"] == 2 and written["autograde_seconds"] > 0 and written["nbgrader_seconds"] is None
     assert [row["jobs"] for row in written["scaling"]] == [1, 2] and written["scaling_points_that_differ"] == []
     assert [row["exercise"] for row in written["per_exercise"]] == ["sdpa", "mha"]
-    assert all(row["scores"] == [10.0] and row["cpu_seconds_per_notebook"] > 0 and row["first_run_cpu_seconds"] > 0
+    # The cost of one more notebook is a difference of two runs' CPU times: with one notebook more, as here,
+    # a tenth of a second of noise in the start-up it subtracts can outweigh it. Its sign is not asserted.
+    assert all(row["scores"] == [10.0] and row["first_run_cpu_seconds"] > 0
+               and abs(row["cpu_seconds_per_notebook"]) < row["first_run_cpu_seconds"]
                for row in written["per_exercise"]), written["per_exercise"]
     out = capsys.readouterr().out
     assert "nbgrader: skipped" in out and "| sdpa |" in out and "| mha |" in out
