@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import signal
 import sqlite3
 import sys
@@ -69,12 +70,16 @@ def _stop_if_interrupted() -> None:
         raise Interrupted(_stopped_by[0])
 
 
-def _grading_process_setup() -> None:
+def _grading_process_setup(threads: int) -> None:
     """A grading process of the pool dies with the run, and leaves signals to it (see above); its
-    fork server inherits the ignored signals."""
+    fork server inherits the ignored signals. Its share of the cores: torch's default, a thread per
+    core in each of `--jobs` processes, keeps threads spinning for cores that the others hold."""
     isolation.die_with_parent()
     for number in STOPPING_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+    import torch  # imported by the grading that follows anyway; here only to size its pool of threads
+
+    torch.set_num_threads(threads)
 
 
 def students_in(submitted: Path) -> list[str]:
@@ -251,9 +256,10 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 finished(bar, grade, student)
         else:
             # Each grading process dies with this one (SIGKILL included), and its fork server with it.
-            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
-                                       mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_grading_process_setup)
+            workers = min(jobs, len(tasks))
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_grading_process_setup,
+                                       initargs=(max(1, len(os.sched_getaffinity(0)) // workers),))
             try:
                 futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
                                        twins.get(student)): student for student, exercise in tasks}
