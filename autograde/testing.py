@@ -60,11 +60,14 @@ def adapters_of(module) -> dict[str, Callable]:
 
 # The learner's nn.Modules: what the structure tests observe, and the case's weights loaded into them.
 
+_ABSENT = object()
+
+
 def describe_layer(module: Any, name: str) -> str:
     """`module.<name>` as the tests name it: `nn.Linear(in, out, bias=...)`, another module's class
     name, `None`, or `missing` where there is no such attribute."""
-    layer = getattr(module, name, "missing")
-    if isinstance(layer, str) and layer == "missing":
+    layer = getattr(module, name, _ABSENT)
+    if layer is _ABSENT:
         return "missing"
     if layer is None:
         return "None"
