@@ -23,11 +23,12 @@ from torch import nn
 
 from autograde.cases import TOLERANCE, Draw, Inputs
 from autograde.grading.compare import compare_floats, compare_tensor, describe
-from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, pair, raised
+from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, observe, pair, raised
 
 __all__ = ["adapter", "adapters_of", "oracle", "oracle_of", "assert_rule", "assert_same", "returned_pair", "Draw",
            "Inputs", "ContractError", "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats",
-           "TOLERANCE", "describe_layer", "structure_of", "learner_module", "load_layers", "constructor_errors"]
+           "TOLERANCE", "observed", "observed_rows", "describe_layer", "structure_of", "learner_module", "load_layers",
+           "constructor_errors"]
 
 
 def adapter(function: Callable) -> Callable:
@@ -148,6 +149,32 @@ def _problems(key: str, got: Any, want: Any, dtype: str, device: str) -> list[st
             return [f"`{key}`: expected an int, {want!r}; got the float {got!r}"]
         return [f"`{key}`: expected {describe(want)}, got {describe(got)}"]
     return []
+
+
+def observed_rows(got: Any, shapes: Mapping[str, tuple[int, ...]], rows: torch.Tensor, axis: int) -> Any:
+    """The `rows` (indices along `axis`) of each tensor `shapes` names in `got`, a dict of observations,
+    for a check of part of a result too large for the grader to compute whole; a tensor whose shape is
+    not the one `shapes` gives fails here, and anything else is left for `assert_same` to describe."""
+    if not isinstance(got, dict):
+        return got
+    problems, picked = [], dict(got)
+    for key, shape in shapes.items():
+        value = got.get(key)
+        if not isinstance(value, TensorValue) or value.array is None:
+            continue
+        if value.shape != tuple(shape):
+            problems.append(f"`{key}`: expected shape {tuple(shape)}, got {value.shape}")
+            continue
+        array = np.take(value.array, rows.numpy(), axis=axis)
+        picked[key] = TensorValue(array.shape, value.dtype, value.device, array)
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return picked
+
+
+def observed(values: Mapping[str, torch.Tensor]) -> dict:
+    """The observations of tensors computed in the grading process, as `assert_same` takes them."""
+    return {key: observe(value) for key, value in values.items()}
 
 
 def assert_rule(got: dict, expected: dict, rule, inputs: Inputs | None = None) -> None:

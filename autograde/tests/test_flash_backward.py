@@ -21,16 +21,19 @@ past the first, so that a D_i summed over one key block only shows.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from autograde import rules
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
 from autograde.sandbox.observe import ContractError, kind_of
-from autograde.testing import adapter, assert_rule, assert_same
+from autograde.testing import adapter, assert_rule, assert_same, observed, observed_rows, oracle
 from autograde.tests.test_flash_forward import (
     BLOCK_SIZES,
     CAUSAL,
+    CHECKED_ROW_STEP,
     DEFAULT_BLOCK,
     EDGES,
     FLOAT16_CASES,
@@ -51,6 +54,7 @@ from autograde.tests.test_flash_forward import (
     rows_attending_nothing,
     whole_scores_note,
 )
+from autograde.tests.test_sdpa import bottom_right_causal
 
 BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
 MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)
@@ -100,6 +104,26 @@ def backward(functions, inputs: Inputs) -> dict:
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
+@oracle(of=backward)
+def backward_by_definition(inputs: Inputs) -> dict:
+    """dq, dk, dv in float64 from the dense formulas of the backward, with the case's out and lse
+    as the learner's call receives them: the solution's tiles cost the grader more than these."""
+    return gradients_by_definition(*(inputs[name] for name in ("q", "k", "v", "out", "lse", "dout")),
+                                   inputs["causal"])
+
+
+def gradients_by_definition(q, k, v, out, lse, dout, causal: bool) -> dict:
+    """With P = exp(scale * q k^T - lse) (0 where masked, and in a row that attends nothing):
+    dv = P^T dout, dS = P * (dout v^T - rowsum(dout * out)), dq = scale * dS k, dk = scale * dS^T q."""
+    L, S, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(~bottom_right_causal(L, S), -math.inf)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # lse -inf: -inf - (-inf) is NaN, its weights 0
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(dim=-1, keepdim=True))
+    return {"dq": ds @ k * scale, "dk": ds.transpose(-2, -1) @ q * scale, "dv": p.transpose(-2, -1) @ dout}
+
+
 @adapter
 def backward_memory(functions, inputs: Inputs) -> dict:
     with rules.Footprint() as footprint, rules.AutogradRecorded() as recorded:
@@ -116,9 +140,13 @@ def apply_gradients(functions, inputs: Inputs) -> dict:
     return {"out": out, "q.grad": q.grad, "k.grad": k.grad, "v.grad": v.grad, APPLY_RECORDED: recorded.saved}
 
 
-@adapter
-def apply_output(functions, inputs: Inputs) -> dict:
-    return {"out": apply_function(functions, inputs)[3]}
+@oracle(of=apply_gradients)
+def apply_gradients_by_definition(inputs: Inputs) -> dict:
+    """out by the definition, its gradients by the dense formulas, and no graph recorded."""
+    q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
+    out, lse = attention_by_definition(q, k, v, inputs["causal"])
+    grads = gradients_by_definition(q, k, v, out, lse, dout, inputs["causal"])
+    return {"out": out, "q.grad": grads["dq"], "k.grad": grads["dk"], "v.grad": grads["dv"], APPLY_RECORDED: 0}
 
 
 @adapter
@@ -307,11 +335,19 @@ def test_flash_attention_apply_random(submission, reference, draw, lengths, edge
 @pytest.mark.hidden
 @pytest.mark.points(0.5)
 @pytest.mark.uses(FUNCTION)
-def test_whole_scores_measured_from_outside(submission, reference, draw):
+def test_whole_scores_measured_from_outside(submission, draw):
     """L = S = 4096: FlashAttention.apply and its backward, memory measured from outside your process"""
     submission.apply_gradients(whole_scores_inputs(draw, 4 * DEFAULT_BLOCK))  # code run for the first time
     inputs = whole_scores_inputs(draw)
     with submission.cost_measured() as peak:
         got = submission.apply_gradients(inputs)
-    assert_same(got, reference.apply_output(inputs), inputs)  # out only: the gradients are graded elsewhere
+    # out only, on some of its rows, against the definition: the gradients are graded elsewhere
+    rows = torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP)
+    out, _ = attention_by_definition(inputs["q"], inputs["k"], inputs["v"], inputs["causal"], rows)
+    checked = Inputs(inputs.values, f"{inputs.note}; out checked on {len(rows)} rows, every {CHECKED_ROW_STEP}th")
+    try:
+        got = observed_rows(got, {"out": inputs["q"].shape}, rows, axis=2)
+    except AssertionError as error:
+        raise AssertionError(f"inputs: {checked.describe()}\n{error}") from None
+    assert_same(got, observed({"out": out}), checked)
     assert_whole_scores_kept(peak, "FlashAttention.apply(q, k, v, causal=False) and its backward", inputs)
