@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,6 +27,23 @@ from autograde.submission import extract, forbidden, notebook
 from tests.fixtures.notebooks import sent_inputs
 
 pytestmark = pytest.mark.timeout(60)
+
+
+# notebook: the grader's processes start without compiling grammars nothing uses.
+
+def test_the_grader_reads_notebooks_without_jsonschemas_iri_grammars():
+    """`python -m autograde` imports nbformat only when it reads a notebook, after marking rfc3987-syntax
+    absent: jsonschema would compile 39 grammars (0.8 s of each grading process) for IRI formats."""
+    code = ("import sys\nfrom pathlib import Path\nfrom autograde.frontends import cli\n"
+            "assert 'nbformat' not in sys.modules, 'the command line imports nbformat'\n"
+            "from autograde.submission import notebook\nnotebook.skip_iri_grammars()\n"
+            "loaded = notebook.load(Path('solutions/attention/sdpa.ipynb'))\n"
+            "import nbformat\nnbformat.validate(loaded)\n"
+            "assert 'lark' not in sys.modules, 'grammars compiled'\nprint(len(loaded.cells))")
+    ran = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert int(ran.stdout) > 5
 
 
 # notebook: a file that cannot be graded says why.

@@ -14,6 +14,7 @@ from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
 from autograde.grading import batch, class_report, grade, journal, merge, provenance, report
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
+from autograde.submission import notebook
 
 
 def exercise_of(path: Path):
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    notebook.skip_iri_grammars()
     parser = build_parser()
     args = parser.parse_args(argv)
 

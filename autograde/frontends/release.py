@@ -21,13 +21,15 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-
-import nbformat
+from typing import TYPE_CHECKING
 
 from autograde import course, registry
 from autograde.cases import Exercise
 from autograde.grading import expected
 from autograde.grading.session import TestInfo, catalogue
+
+if TYPE_CHECKING:  # imported where used, after the grader's `notebook.skip_iri_grammars`
+    import nbformat
 
 TEST_CELL = "test-"  # how the grade ids of the autograded test cells start
 OPEN_BOOK = "https://mha-derived.github.io/mha-derived/"  # the open edition, as solutions/ links to it
@@ -62,6 +64,8 @@ def check_link(url: str, what: str) -> str:
 
 
 def _relink_notebook(path: Path, book_url: str, repository: str) -> None:
+    import nbformat
+
     notebook = nbformat.read(path, as_version=4)
     sources = [cell.source for cell in notebook.cells]
     for cell in notebook.cells:
@@ -83,6 +87,8 @@ def test_functions(exercise: Exercise) -> list[TestInfo]:
 
 def test_cell(exercise_id: str, test: TestInfo) -> nbformat.NotebookNode:
     points = f"{test.points:g} point{'' if test.points == 1 else 's'}"
+    import nbformat
+
     call = f'run("{exercise_id}", "{test.name}", globals())'
     source = "\n".join([f"# {'Test' if test.visible else 'Hidden test'} {test.name} ({points}): {test.about}",
                         "from autograde.frontends.nbgrader import run", "",
@@ -97,6 +103,8 @@ def test_cell(exercise_id: str, test: TestInfo) -> nbformat.NotebookNode:
 def sync_test_cells(path: Path, exercise: Exercise) -> bool:
     """Write the notebook's test cells from the exercise's tests, where the old ones were (else at
     the end); whether the notebook changed."""
+    import nbformat
+
     notebook = nbformat.read(path, as_version=4)
     grade_id = lambda cell: cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")  # noqa: E731
     old = [index for index, cell in enumerate(notebook.cells) if grade_id(cell).startswith(TEST_CELL)]

@@ -34,7 +34,7 @@ from autograde.grading.provenance import same_person, shard_of
 from autograde.registry import EXERCISES
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
-from autograde.submission import locate
+from autograde.submission import locate, notebook
 
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _stopped_by: list[int] = []  # the first stopping signal this run received
@@ -75,6 +75,7 @@ def _grading_process_setup(threads: int) -> None:
     fork server inherits the ignored signals. Its share of the cores: torch's default, a thread per
     core in each of `--jobs` processes, keeps threads spinning for cores that the others hold."""
     isolation.die_with_parent()
+    notebook.skip_iri_grammars()
     for number in STOPPING_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
     import torch  # imported by the grading that follows anyway; here only to size its pool of threads

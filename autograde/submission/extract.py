@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import nbformat
+if TYPE_CHECKING:  # nbformat is imported by who reads notebooks (`notebook.load`): see `notebook.skip_iri_grammars`
+    import nbformat
 
 # Cell magics whose body is still Python and still runs.
 PYTHON_CELL_MAGICS = ("time", "timeit", "capture", "prun")
