@@ -21,7 +21,7 @@ TOLERANCE = {"torch.float64": 1e-10, "torch.float32": 1e-5, "torch.float16": 2e-
 
 # The contract's names first, then the same functions under other names (a private alias, a
 # module that re-exports them, PyTorch's own attention kernels), which a learner could call
-# instead. `forbidden.Tripwire` also stops the operators underneath, whatever calls them.
+# instead. `sandbox.tripwire.Tripwire` also stops the operators underneath, whatever calls them.
 NOT_ALLOWED_ATTENTION = (
     "torch.nn.functional.scaled_dot_product_attention",
     "torch.nn.functional.multi_head_attention_forward",

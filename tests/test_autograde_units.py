@@ -23,6 +23,7 @@ from autograde.grading.compare import CaseResult, compare_tensor
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.observe import OtherValue, observe_tensor
+from autograde.sandbox.tripwire import ForbiddenCall, Tripwire, resolve
 from autograde.submission import extract, forbidden, notebook
 from tests.fixtures.notebooks import sent_inputs
 
@@ -180,13 +181,13 @@ def test_only_the_code_the_graded_functions_reach_counts():
     assert forbidden.scan_graded(redefined, exercise)[0] == []  # the latest definition is the one handed in
 
 
-# forbidden: the tripwire.
+# tripwire: what the scan cannot see, stopped as it runs.
 
 def test_the_tripwire_records_and_stops_a_call_of_torch_sdpa():
     q = torch.randn(1, 2, 3, 4)
-    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
         torch.softmax(q, dim=-1)  # allowed
-        with pytest.raises(forbidden.ForbiddenCall):
+        with pytest.raises(ForbiddenCall):
             F.scaled_dot_product_attention(q, q, q)
     assert [v.name for v in tripwire.violations] == ["torch.nn.functional.scaled_dot_product_attention"]
 
@@ -194,8 +195,8 @@ def test_the_tripwire_records_and_stops_a_call_of_torch_sdpa():
 def test_the_tripwire_catches_nn_multiheadattention_in_eval_mode_too():
     torch_mha = nn.MultiheadAttention(4, 2, batch_first=True).eval()
     x = torch.randn(1, 3, 4)
-    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire, torch.no_grad():
-        with pytest.raises(forbidden.ForbiddenCall):
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire, torch.no_grad():
+        with pytest.raises(ForbiddenCall):
             torch_mha(x, x, x)
     assert [v.name for v in tripwire.violations] == ["torch.nn.functional.multi_head_attention_forward"]
 
@@ -226,8 +227,8 @@ def _without_torch_functions(function, *args):
 @pytest.mark.parametrize("call", SOFTMAX_BY_ANOTHER_NAME.values(), ids=SOFTMAX_BY_ANOTHER_NAME)
 def test_the_tripwire_stops_the_softmax_family_under_any_name(call):
     x = torch.randn(3, 4)
-    with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire:
-        with pytest.raises(forbidden.ForbiddenCall):
+    with Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire:
+        with pytest.raises(ForbiddenCall):
             call(x)
     assert len(tripwire.violations) == 1
 
@@ -250,8 +251,8 @@ ATTENTION_BY_ANOTHER_NAME = {
 @pytest.mark.parametrize("call", ATTENTION_BY_ANOTHER_NAME.values(), ids=ATTENTION_BY_ANOTHER_NAME)
 def test_the_tripwire_stops_pytorchs_attention_kernels_however_they_are_reached(call):
     x = torch.randn(1, 2, 3, 4)
-    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
-        with pytest.raises(forbidden.ForbiddenCall):
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        with pytest.raises(ForbiddenCall):
             call(x)
     [violation] = tripwire.violations
     assert violation.name.split(" ")[0] in NOT_ALLOWED_ATTENTION
@@ -259,9 +260,9 @@ def test_the_tripwire_stops_pytorchs_attention_kernels_however_they_are_reached(
 
 def test_the_tripwire_lets_attention_written_out_run_forward_and_backward():
     q = torch.randn(1, 2, 3, 4, requires_grad=True)
-    with forbidden.Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
         (torch.softmax(q @ q.transpose(-2, -1), -1) @ q).sum().backward()
-    with forbidden.Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire_without_softmax:
+    with Tripwire(NOT_ALLOWED_SOFTMAX) as tripwire_without_softmax:
         scores = q @ q.transpose(-2, -1)
         weights = (scores - scores.amax(-1, keepdim=True)).exp()
         (weights / weights.sum(-1, keepdim=True) @ q).sum().backward()
@@ -438,7 +439,7 @@ def test_each_exercise_is_worth_10_points_over_visible_and_hidden_tests(exercise
     assert max_score(exercise) == 10
     assert {case.visible for case in catalogue(exercise)} == {True, False}
     assert all(set(case.uses) <= set(exercise.required) for case in catalogue(exercise))
-    assert all(forbidden.resolve(name) for name in exercise.not_allowed)
+    assert all(resolve(name) for name in exercise.not_allowed)
 
 
 def test_the_time_left_weighs_each_notebook_by_its_exercise_and_skips_missing_ones():

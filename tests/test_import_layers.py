@@ -31,8 +31,6 @@ DEBTS = {
     ("autograde.sandbox.worker", "autograde.registry"): "the worker finds its exercise's adapters by id",
     ("autograde.sandbox.client", "autograde.registry"): "the client reads an exercise's environment and GPU flag",
     ("autograde.submission.locate", "autograde.registry"): "which notebooks answer which exercise",
-    ("autograde.submission.forbidden", "autograde.sandbox.observe"): "the tripwire, which runs in the worker, "
-                                                                     "quotes the learner's line",
     ("autograde.testing", "autograde.grading.compare"): "assert_same compares as the grader does",
     ("autograde.misconceptions", "autograde.grading.reference"): "a misconception is the solution with a change",
     ("autograde.misconceptions", "autograde.grading.proxies"): "and is called as the reference is",

@@ -80,7 +80,7 @@ def solution_notebook(path: Path):
 
 def tripwire_stops_cuda_attention() -> str:
     from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
-    from autograde.submission.forbidden import ForbiddenCall, Tripwire
+    from autograde.sandbox.tripwire import ForbiddenCall, Tripwire
 
     q = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.float16)
     stopped = []

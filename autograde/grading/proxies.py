@@ -31,7 +31,8 @@ from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.calls import LearnerCalls, callable_names
 from autograde.sandbox.observe import Failure, failure_from, observe
-from autograde.submission.forbidden import Tripwire, Violation
+from autograde.sandbox.tripwire import Tripwire
+from autograde.submission.forbidden import Violation
 from autograde.testing import oracle_of
 
 # A call after which the worker's tripwire no longer stood (`Tripwire.intact`), or that said nothing of it.

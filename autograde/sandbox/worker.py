@@ -34,8 +34,9 @@ import torch
 from autograde import registry
 from autograde.sandbox.calls import LearnerCalls
 from autograde.sandbox.observe import Failure, failure_from, learner_line, observe
+from autograde.sandbox.tripwire import Tripwire
 from autograde.sandbox.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
-from autograde.submission.forbidden import Tripwire, Violation
+from autograde.submission.forbidden import Violation
 
 # What a thread started by the notebook is reported as: the tripwire's function mode and the rules'
 # dispatch modes are thread-local, so work done in another thread escapes them.

@@ -1,15 +1,8 @@
-"""Find the functions an exercise does not allow: statically in the source, and by a tripwire.
+"""Find the functions an exercise does not allow in a submission's source, nothing run.
 
-`scan` reads the submission's code (an AST walk, nothing runs) and is what the trusted
-process relies on. `Tripwire` records calls while the submission runs, which catches what the
-source hides: as a torch function mode, aliases, `getattr` and a module calling one for you (as
-`nn.MultiheadAttention` calls `F.multi_head_attention_forward`); by replacing the kernels of the
-operators underneath (`aten._softmax`, PyTorch's attention kernels) in the dispatcher, those
-operators however they were reached, `torch.ops.aten` or `DisableTorchFunction` included. The
-tripwire runs in the learner's process, which can switch it off: it is advisory, and the scan and
-the rules' tests are what count. In the sandbox its findings leave the process as they happen
-(`report`), and after each call the worker says whether it still stands (`intact`); `review`
-shows a person the reflection and concurrency that could go around it unseen.
+`scan` reads the submission's code (an AST walk) and is what the trusted process relies on;
+`review` shows a person the reflection and concurrency that could go around the tripwire
+(`autograde.sandbox.tripwire`, which catches at run time what the source hides) unseen.
 Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 `torch.nn.MultiheadAttention.forward` for calling an instance of that module.
 """
@@ -17,16 +10,8 @@ Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 from __future__ import annotations
 
 import ast
-import importlib
-import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Iterable
-
-import torch
-from torch.overrides import TorchFunctionMode
-
-from autograde.sandbox.observe import learner_line
 
 
 @dataclass(frozen=True)
@@ -36,10 +21,6 @@ class Violation:
 
     def describe(self) -> str:
         return f"uses {self.name}" + (f" ({self.where})" if self.where else "")
-
-
-class ForbiddenCall(RuntimeError):
-    pass
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -352,168 +333,3 @@ def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
 
 def _names_in(statement: ast.stmt) -> set[str]:
     return {node.id for node in ast.walk(statement) if isinstance(node, ast.Name)}
-
-
-def resolve(name: str):
-    """The object a qualified name refers to, e.g. `torch.Tensor.softmax`."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            target = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for attribute in parts[split:]:
-            target = getattr(target, attribute)
-        return target
-    raise ImportError(name)
-
-
-# The operators underneath a not-allowed function, by the contract's name for it: what reaches
-# them is that function, under whatever name (PyTorch's attention kernels, and `_safe_softmax`,
-# the softmax of its unfused attention; the softmax family's operators).
-_OPERATORS = {
-    "torch.nn.functional.scaled_dot_product_attention": (
-        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
-        "_safe_softmax"),
-    "torch.nn.functional.multi_head_attention_forward": ("_native_multi_head_attention",),
-    "torch.softmax": ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "logsumexp"),
-}
-
-
-def operators(not_allowed: Iterable[str]) -> dict:
-    """The aten operators that `not_allowed` rules out, each with the name it is reported under."""
-    found = {}
-    for name in not_allowed:
-        for operator in _OPERATORS.get(name, ()):
-            packet = getattr(torch.ops.aten, operator, None)  # absent from some builds
-            if packet is not None:
-                found.setdefault(packet, f"{name} (as torch.ops.aten.{operator})")
-    return found
-
-
-# A call of one operator of each kind the tripwire replaces, to see that it still stops them.
-_PROBES = {
-    "torch.nn.functional.scaled_dot_product_attention":
-        lambda: torch.ops.aten._scaled_dot_product_attention_math(*[torch.zeros(1, 1, 1)] * 3),
-    "torch.softmax": lambda: torch.ops.aten._softmax(torch.zeros(1), 0, False),
-}
-
-
-class Tripwire(TorchFunctionMode):
-    """While active, a call of a not-allowed torch function, or of an operator underneath one, is
-    recorded, handed to `report` at once (in the worker: sent to the grading process, so that
-    what learner code does afterwards cannot take it back) and raises ForbiddenCall."""
-
-    def __init__(self, not_allowed: Iterable[str], report=None):
-        super().__init__()
-        not_allowed = tuple(not_allowed)
-        self.targets = {resolve(name): name for name in not_allowed}
-        self._installed_targets = tuple(self.targets.items())
-        self.violations: list[Violation] = []
-        self.report = report
-        self._probes = [probe for name, probe in _PROBES.items() if name in not_allowed]
-        self._probing = False
-        self._operators = _OperatorTripwire(self, operators(not_allowed))
-
-    def intact(self) -> bool:
-        """Whether, while entered, it still stands as it was installed: on the stack of function modes,
-        its targets unchanged, and the operators' kernels still replaced (a call of each kind stops)."""
-        if not (any(mode is self for mode in torch.overrides._get_current_function_mode_stack())
-                and tuple(self.targets.items()) == self._installed_targets):
-            return False
-        self._probing = True
-        try:
-            with torch._C.DisableTorchFunction():
-                for probe in self._probes:
-                    try:
-                        probe()
-                    except ForbiddenCall:
-                        continue
-                    except Exception:
-                        return False
-                    return False
-        finally:
-            self._probing = False
-        return True
-
-    def __enter__(self):
-        self._operators.__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._operators.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc_info):
-        try:
-            return super().__exit__(*exc_info)
-        finally:
-            self._operators.__exit__(*exc_info)
-
-    def stop(self, name: str):
-        if not self._probing:
-            violation = Violation(name, learner_line(traceback.extract_stack()))
-            if violation not in self.violations:
-                self.violations.append(violation)
-                if self.report is not None:
-                    self.report(violation)
-        raise ForbiddenCall(f"{name} is not allowed in this exercise")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        try:
-            name = self.targets.get(func)
-        except TypeError:  # an unhashable callable is none of ours
-            name = None
-        if name is not None:
-            self.stop(name)
-        return func(*args, **(kwargs or {}))
-
-
-# The dispatch keys an operator's kernels are registered under: each device's, and the composite
-# ones that serve every device. Replacing every kernel an operator has stops it on any device,
-# with or without autograd, under `no_grad` and `inference_mode`.
-_KERNEL_KEYS = ("CPU", "CUDA", "MPS", "XPU", "NestedTensorCPU", "NestedTensorCUDA", "SparseCPU", "SparseCUDA",
-                "CompositeImplicitAutograd", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
-
-
-def _kernels_of(packet) -> Iterable[tuple[str, str]]:
-    """(overload, dispatch key) of each kernel registered for an operator, e.g. ("_softmax.out", "CPU")."""
-    for overload in packet.overloads():
-        name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
-        for key in _KERNEL_KEYS:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-                yield name, key
-
-
-class _OperatorTripwire:
-    """The dispatcher's half of a `Tripwire`: while entered, every kernel of the not-allowed
-    operators is replaced by one that stops the call, so no alias and no way of calling goes
-    around it. Only those operators change; every other one runs at full speed, which a
-    dispatch mode seeing every operator in Python would not allow."""
-
-    def __init__(self, owner: Tripwire, targets: dict):
-        self.owner = owner
-        self._kernels = [(overload, key, name) for packet, name in targets.items()
-                         for overload, key in _kernels_of(packet)]  # (overload, dispatch key, name reported)
-        self._library = None
-
-    def __enter__(self):
-        library = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": as meant
-            for overload, key, name in self._kernels:
-                library.impl(overload, self._stopper(name), key)
-        self._library = library
-        return self
-
-    def __exit__(self, *exc_info):
-        library, self._library = self._library, None
-        if library is not None:
-            library._destroy()  # the operators' own kernels are back
-
-    def _stopper(self, name: str):
-        def stop(*args, **kwargs):
-            self.owner.stop(name)
-        return stop
