@@ -225,6 +225,51 @@ def _flash_top_left(forward):
     return top_left
 
 
+def _gradients_not_scaled(backward):
+    """dq and dk without the scale: dS reaches q and k through scale * q k^T, so each is scaled once more."""
+    def unscaled(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):
+        dq, dk, dv = backward(q, k, v, out, lse, dout, causal, block_q, block_k)
+        root = math.sqrt(q.shape[-1])
+        return dq * root, dk * root, dv
+    return unscaled
+
+
+def _delta_left_out(backward):
+    """D = rowsum(dout * out) left out of dS = P * (dP - D): the solution given out = 0 computes exactly that."""
+    def without_delta(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):
+        return backward(q, k, v, torch.zeros_like(out), lse, dout, causal, block_q, block_k)
+    return without_delta
+
+
+def _flash_backward_top_left(backward):
+    """The causal mask aligned top-left in the backward: with S > L, query i sees keys 0 .. i, the first L."""
+    def top_left(q, k, v, out, lse, dout, causal=False, block_q=64, block_k=64):
+        length = q.shape[-2]
+        if not (causal and k.shape[-2] > length):
+            return backward(q, k, v, out, lse, dout, causal, block_q, block_k)
+        dq, dk, dv = backward(q, k[..., :length, :], v[..., :length, :], out, lse, dout, True, block_q, block_k)
+        rest = torch.zeros_like(k[..., length:, :])
+        return dq, torch.cat([dk, rest], dim=-2), torch.cat([dv, rest], dim=-2)
+    return top_left
+
+
+def _triton_queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
+    def wrong(attention):
+        def scaled(q, k, v, causal=False):
+            return attention(q * factor(q.shape[-1]), k, v, causal)
+        return scaled
+    return wrong
+
+
+def _triton_top_left(attention):
+    def top_left(q, k, v, causal=False):
+        length = q.shape[-2]
+        if causal and k.shape[-2] > length:
+            return attention(q, k[..., :length, :].contiguous(), v[..., :length, :].contiguous(), True)
+        return attention(q, k, v, causal)
+    return top_left
+
+
 def _latent_scaled_without_rope_dim(module_class):
     class ScaledByHeadDim(module_class):
         """Scores divided by √head_dim instead of √(head_dim + rope_dim): the queries scaled to match."""
@@ -344,6 +389,23 @@ MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("flash_forward", "top-left-causal", "a causal mask aligned top-left (key j <= query i) instead "
                                                       "of bottom-right (j <= i + S - L)",
                   {"flash_attention_forward": _flash_top_left}),
+    Misconception("flash_backward", "gradients-not-scaled", "dq and dk without the 1/√d scaling: the scores are "
+                                                            "scale * q k^T, so dS reaches q and k times the scale",
+                  {"flash_attention_backward": _gradients_not_scaled}),
+    Misconception("flash_backward", "delta-left-out", "gradients whose dS is P * dP, without D = rowsum(dout * out): "
+                                                      "the softmax's Jacobian has a second term, "
+                                                      "dS = P * (dP - D)",
+                  {"flash_attention_backward": _delta_left_out}),
+    Misconception("flash_backward", "top-left-causal", "a backward whose causal mask is aligned top-left (key "
+                                                       "j <= query i) instead of bottom-right (j <= i + S - L)",
+                  {"flash_attention_backward": _flash_backward_top_left}),
+    Misconception("flash_triton", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
+                  {"flash_attention_triton": _triton_queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("flash_triton", "not-scaled", "attention without the 1/√d scaling",
+                  {"flash_attention_triton": _triton_queries_scaled(math.sqrt)}),
+    Misconception("flash_triton", "top-left-causal", "a causal mask aligned top-left (key j <= query i) instead "
+                                                     "of bottom-right (j <= i + S - L)",
+                  {"flash_attention_triton": _triton_top_left}),
     Misconception("mla", "other-layout", "RoPE rotating the pairs of the other layout (interleaved (0, 1), (2, 3) "
                                          "against the two halves (i, i + d/2))",
                   {"apply_rope": _other_layout}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.metadata
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from autograde import course
 from autograde.frontends import cli
-from autograde.grading import report
+from autograde.grading import batch, report
 from autograde.registry import EXERCISES
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
@@ -29,6 +30,23 @@ def test_grading_a_class_exits_0_and_writes_one_row_per_student_and_exercise(cla
     assert {r["max_score"] for r in class_grades.rows} == {"10"}
     assert {r["seed"] for r in class_grades.rows} == {str(SEED)}
     assert f"seed {SEED}" in class_grades.stdout
+
+
+def test_the_progress_bar_says_what_it_waits_for_and_the_last_line_names_every_output(class_grades):
+    """The bar shows at once, saying what the start waits for, then the time left, without tqdm's
+    doubled separator; the minutes after 100% are named; the summary names each file it wrote."""
+    progress = class_grades.stderr
+    assert batch.STARTING in progress.split("\r")[1], progress[:300]
+    assert "left]" in progress and ", ," not in progress, progress
+    assert batch.STOPPING in progress and "writing the grades" in progress
+    summary = next(line for line in class_grades.stdout.splitlines() if line.startswith("graded "))
+    students = len(CLASS_EXPECTED)
+    assert summary.startswith(f"graded {2 * students} notebooks of {students} students with seed {SEED}; "
+                              f"wrote {class_grades.out}/: ")
+    written = {path.name for path in class_grades.out.iterdir()} - {"journal.sqlite3"}
+    assert written == {"grades.csv", "results.csv", "canvas.csv", "moodle.csv", report.INTEGRITY_FILE,
+                       "report.html", "feedback"}
+    assert all(name in summary for name in written), summary
 
 
 @pytest.mark.parametrize("student", sorted(CLASS_EXPECTED))
@@ -60,7 +78,7 @@ def test_each_row_carries_its_assignments_and_its_students_totals(class_grades):
 
 def test_one_row_per_test_in_the_long_format_adds_up_to_the_grades(class_grades):
     results = list(csv.DictReader((class_grades.out / "results.csv").open()))
-    assert list(results[0]) == ["student", "exercise", "test", "points", "max_points", "status"]
+    assert list(results[0]) == ["student", "exercise", "test", "points", "max_points", "status", "visible", "message"]
     for row in class_grades.rows:
         tests = [r for r in results if (r["student"], r["exercise"]) == (row["student"], row["exercise"])]
         assert tests and sum(float(t["points"]) for t in tests) == pytest.approx(float(row["score"]))
@@ -69,11 +87,18 @@ def test_one_row_per_test_in_the_long_format_adds_up_to_the_grades(class_grades)
     assert statuses == {"not run"}  # a missing notebook's tests did not fail: they never ran
     assert " | not run |" in (class_grades.out / "feedback" / "dan.md").read_text()
     assert {r["status"] for r in results if r["student"] == "ada"} == {"passed"}
+    failed = {r["test"]: r for r in results if (r["student"], r["exercise"], r["status"]) == ("cleo", "sdpa", "failed")}
+    assert failed["causal-mask-rectangular"]["visible"] == "yes" and failed["causal-mask-random"]["visible"] == "no"
+    assert failed["causal-mask-rectangular"]["message"].startswith("`causal_mask(3, 6)`: 9 of 18 entries differ")
+    assert {r["message"] for r in results if r["status"] == "passed"} == {""}
 
 
 def test_gradebooks_for_canvas_and_moodle_have_a_row_per_student_and_a_column_per_assignment(class_grades):
     canvas = list(csv.reader((class_grades.out / "canvas.csv").open()))
-    assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "attention (20 points)"]
+    # Canvas's documented import: the five identifying columns in this order, an assignment's column
+    # named by it alone (not "name (number)", which is an existing assignment's id), points in row 2.
+    assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "attention"]
+    assert not any(re.search(r"\(\d+\)$", name) for name in canvas[0])
     assert canvas[1][0] == "Points Possible" and canvas[1][-1] == "20"
     moodle = list(csv.DictReader((class_grades.out / "moodle.csv").open()))
     assert [r["Username"] for r in moodle] == sorted(CLASS_EXPECTED) == [r[3] for r in canvas[2:]]
@@ -107,9 +132,16 @@ def test_feedback_in_html_is_the_markdown_rendered_with_what_submissions_wrote_e
 
 def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_grades):
     page = (class_grades.out / "report.html").read_text()
-    assert page.count('<img alt="figure" src="data:image/png;base64,') == 2
-    for heading in ("Scores", "Tests most often failed", "Slowest notebooks"):
+    assert page.count('<img alt="Histograms of the scores of each exercise; mean scores: sdpa ') == 1
+    assert page.count('<img alt="Stacked bars of the notebooks of each exercise by status; in all, ') == 1
+    for heading in ("Needs attention", "Scores", "Students", "Tests most often failed", "Slowest notebooks"):
         assert f"<h2>{heading}</h2>" in page
+    attention = page.split("<h2>Needs attention</h2>")[1].split("<h2>")[0]
+    assert "<td>eve</td><td>mha</td><td>not allowed</td>" in attention
+    assert "<td>fay</td><td>mha</td><td>not allowed</td>" in attention and "<td>ada</td>" not in attention
+    students = page.split("<h2>Students</h2>")[1].split("<h2>")[0]
+    assert "<tr><td>cleo</td><td>17</td><td>8.5</td><td>8.5</td></tr>" in students
+    assert "<tr><td>dan</td><td>0</td><td>0 (invalid)</td><td>0 (missing)</td></tr>" in students
     failed = {r["test"] for r in csv.DictReader((class_grades.out / "results.csv").open()) if r["status"] == "failed"}
     assert any(f"<td>{test}</td>" in page for test in failed)
     assert f"seed {SEED}" in page

@@ -100,3 +100,20 @@ def test_a_problem_two_checks_of_one_test_found_is_shown_once():
                                                                                       "`lse`: max abs error 2", cause))
     assert [line.strip() for line in case_lines(result, details=True)[2:]] == [
         "`out`: max abs error 1", cause, "`lse`: max abs error 2"]
+
+
+def test_feedback_folds_a_parametrised_tests_cases_into_one_row_naming_the_failed_ones():
+    from autograde.grading.grade import GRADED, Grade
+    from autograde.grading.report import FOLDED_CASES_SHOWN, feedback_markdown
+
+    cases = [CaseResult(f"forward-random[case {i}]", 0.25, False, "random sizes", "",
+                        ("inputs: ...", f"`out`: max abs error {i}") if i % 2 else ()) for i in range(10)]
+    visible = CaseResult("forward-ragged", 1.0, True, "ragged", "q (2, 3, 45, 16)", ())
+    grade = Grade(registry.get("flash_forward"), GRADED, "", (visible, *cases))
+    table = [line for line in feedback_markdown("ada", [grade], 1).splitlines() if line.startswith("| ")]
+    assert table[1:] == ["| forward-ragged | 1 / 1 | passed |",
+                         f"| forward-random (hidden) | 1.25 / 2.5 | 5 of 10 cases failed (case 1; case 3; case 5; "
+                         f"{5 - FOLDED_CASES_SHOWN} more) |"]
+    passing = Grade(registry.get("flash_forward"), GRADED, "", tuple(
+        CaseResult(f"forward-random[case {i}]", 0.25, False, "random sizes", "", ()) for i in range(4)))
+    assert "| forward-random (hidden) | 1 / 1 | passed (all 4 cases) |" in feedback_markdown("ada", [passing], 1)

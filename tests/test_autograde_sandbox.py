@@ -152,6 +152,19 @@ json.dump({"environment": dict(os.environ), "cwd": os.getcwd(), "isolated": sys.
 """
 
 
+@pytest.mark.timeout(60)
+def test_a_cells_failure_names_it_by_position_and_by_the_number_jupyter_shows(tmp_path: Path):
+    """`check()` in the kernel names a cell `In [7]`, as Jupyter numbers it: the grader's feedback says both."""
+    submission = SandboxedSubmission(registry.get("sdpa"), [(2, "x = 1", 4), (3, "x = 1 / 0", 7), (5, "y = (")],
+                                     LIMITS, folder=tmp_path)
+    try:
+        failures = [failure.describe() for failure in submission.failed_cells]
+    finally:
+        submission.close()
+    assert failures[0].startswith("ZeroDivisionError: division by zero, at cell 3 (In [7]), line 1"), failures
+    assert failures[1].startswith("SyntaxError: ") and "at cell 5, line 1" in failures[1], failures
+
+
 @pytest.mark.timeout(120)
 def test_the_worker_runs_isolated_limited_and_without_the_graders_environment(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("AUTOGRADE_SEED", "12345")

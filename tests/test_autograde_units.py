@@ -47,6 +47,13 @@ def test_the_grader_reads_notebooks_without_jsonschemas_iri_grammars():
     assert int(ran.stdout) > 5
 
 
+def test_a_cell_is_labelled_by_its_position_and_the_execution_count_jupyter_shows():
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("text"),
+                                               nbformat.v4.new_code_cell("x = 1", execution_count=7),
+                                               nbformat.v4.new_code_cell("y = 2")])
+    assert [cell.label for cell in extract.code_cells(notebook)] == ["cell 2 (In [7])", "cell 3"]
+
+
 # notebook: a file that cannot be graded says why.
 
 @pytest.mark.parametrize("content, reason", [

@@ -10,7 +10,7 @@ import pytest
 from autograde import misconceptions
 from autograde.frontends.check import check
 from autograde.grading import reference
-from autograde.registry import EXERCISES
+from autograde.registry import EXERCISES, ORDER
 from tests.fixtures.implementations import MHA_WRONG, SDPA_WRONG
 from tests.test_exercise_flash import WRONG as FLASH_WRONG
 from tests.test_exercise_gqa_kv_cache import WRONG as GQA_KV_WRONG
@@ -20,8 +20,7 @@ from tests.test_exercise_window import WRONG as WINDOW_WRONG
 
 pytestmark = pytest.mark.timeout(300)
 
-# The exercises with misconceptions so far (flash_backward and flash_triton have none yet).
-DIAGNOSED = ("sdpa", "mha", "gqa", "kv_cache", "rope", "mla", "flash_forward", "split_kv", "paged_kv", "window")
+DIAGNOSED = ORDER  # every exercise names at least three misconceptions
 CAUSE = "likely cause: your output equals "
 
 

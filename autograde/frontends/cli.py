@@ -41,9 +41,12 @@ def shard_argument(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None:
+def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> str:
     """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, integrity.csv, the
-    class report, and feedback per student in Markdown and HTML: the same for one run and for merged shards."""
+    class report, and feedback per student in Markdown and HTML: the same for one run and for merged
+    shards. Returns the line that names them."""
+    print(f"writing the grades, the gradebooks, the class report and {plural(len(students), 'student')}'s "
+          "feedback", file=sys.stderr)
     report.write_csv(out / "grades.csv", rows, seed)
     report.write_results_csv(out / "results.csv", rows)
     report.write_gradebooks(out, rows)
@@ -56,6 +59,13 @@ def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> None
         markdown = report.feedback_markdown(student, grades, seed)
         report.write_atomically(feedback / f"{student}.md", markdown)
         report.write_atomically(feedback / f"{student}.html", report.feedback_html(student, markdown))
+    return (f"wrote {out}/: grades.csv, results.csv (a row per test), canvas.csv, moodle.csv, "
+            f"{report.INTEGRITY_FILE} (the instructor's), report.html (the class), feedback/ (.md and .html "
+            "per student)")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: sandbox.Limits,
@@ -66,7 +76,7 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
         record = journal.Journal(out, seed, resume)
         rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard)
         students = list(dict.fromkeys(student for student, _ in rows))
-        write_outputs(out, rows, record.seed, students)
+        written = write_outputs(out, rows, record.seed, students)
     except journal.JournalError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -79,8 +89,8 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
             record.close()
     isolation = sorted({g.isolation for _, g in rows if g.isolation})
     part = "" if shard == (1, 1) else f" (shard {shard[0]}/{shard[1]}; merge the shards with `merge`)"
-    print(f"graded {len(rows)} notebooks of {len(students)} students with seed {record.seed}{part}: "
-          f"{out / 'grades.csv'}, {out / 'feedback'}/")
+    print(f"graded {plural(len(rows), 'notebook')} of {plural(len(students), 'student')} with seed "
+          f"{record.seed}{part}; {written}")
     unisolated = any(kind.startswith("session") for kind in isolation)
     print(f"isolation: {', '.join(isolation) or 'no notebook ran'}"
           + (f" ({sandbox.WEAKER_ISOLATION})" if unisolated else ""))
@@ -102,9 +112,9 @@ def merge_shards(folders: list[Path], out: Path) -> int:
     finally:
         record.close()
     students = list(dict.fromkeys(student for student, _, _ in rows))
-    write_outputs(out, [(student, row) for student, _, row in rows], seed, students)
-    print(f"merged {len(folders)} shards: {len(rows)} notebooks of {len(students)} students with seed {seed}: "
-          f"{out / 'grades.csv'}, {out / 'feedback'}/")
+    written = write_outputs(out, [(student, row) for student, _, row in rows], seed, students)
+    print(f"merged {plural(len(folders), 'shard')}: {plural(len(rows), 'notebook')} of "
+          f"{plural(len(students), 'student')} with seed {seed}; {written}")
     return 0
 
 

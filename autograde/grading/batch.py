@@ -81,6 +81,17 @@ def _grading_process_setup(threads: int) -> None:
     import torch  # imported by the grading that follows anyway; here only to size its pool of threads
 
     torch.set_num_threads(threads)
+    start_sandbox()
+
+
+def start_sandbox() -> None:
+    """This process's fork server, started before its first notebook, so that no notebook's time (the
+    progress bar's estimate, the class report's slowest notebooks) holds the start. A server that
+    cannot start is left for that notebook to meet: its row says why."""
+    try:
+        sandbox.fork_server()
+    except Exception:  # noqa: BLE001 - recorded by the first notebook that needs it
+        return
 
 
 def students_in(submitted: Path) -> list[str]:
@@ -149,9 +160,13 @@ class TimeLeft:
         return max(sum(costs) / min(self.jobs, len(costs)), max(costs))
 
 
+STARTING = "starting: the grading processes and their sandboxes"
+STOPPING = "stopping the grading processes"
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
-        return "time left: after the first notebooks"
+        return "time left: after the first notebook of each exercise"
     minutes, seconds = divmod(round(seconds), 60)
     return f"about {minutes} min {seconds} s left" if minutes else f"about {seconds} s left"
 
@@ -246,10 +261,13 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.set_postfix_str(_duration(clock.left(list(remaining.elements()))), refresh=False)
         bar.update()
 
+    # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
     with tqdm(total=len(tasks), unit="notebook", disable=not progress,
-              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {postfix}]") as bar:
-        bar.set_postfix_str(_duration(None), refresh=False)
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
+        bar.set_postfix_str(STARTING)
         if jobs <= 1 or len(tasks) <= 1:
+            if tasks:
+                start_sandbox()
             for student, exercise in tasks:
                 _stop_if_interrupted()
                 grade = grade_one(submitted, student, exercise, seed, limits, twins.get(student))
@@ -268,6 +286,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                     grade = from_json(future.result())
                     record(futures[future], grade)
                     finished(bar, grade, futures[future])
+                bar.set_postfix_str(STOPPING)
             except BaseException:
                 for process in list(getattr(pool, "_processes", {}).values()):
                     process.kill()  # its fork server, and what that runs, die with it

@@ -1,9 +1,12 @@
 """The instructor's view of a graded class: one self-contained HTML page (`<out>/report.html`).
 
-The score distribution of each exercise and the statuses (matplotlib figures, embedded), the
-tests most students fail with their most common failure message, and the slowest notebooks
-(`SLOWEST_HEADING`: the one part that differs between two gradings of the same class, since it
-shows measured times). It holds hidden tests' details: it is for the instructor, never for students.
+The notebooks that need a person (`ATTENTION`: review, not allowed, crashed, cut short, changed
+from the release), the score distribution of each exercise and the statuses (matplotlib figures,
+embedded), each student's row, the tests most notebooks fail (a parametrised test's cases
+together) with their most common failure message, and the slowest notebooks (`SLOWEST_HEADING`:
+the one part that differs between two gradings of the same class, since it shows measured times;
+each grading process starts its sandbox before its first notebook, so no row holds that start).
+It holds hidden tests' details: it is for the instructor, never for students.
 """
 
 from __future__ import annotations
@@ -14,20 +17,22 @@ import io
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from autograde.grading.report import points
+from autograde.grading.report import failure_message, points
+from autograde.submission.integrity import CHANGED
 
 if TYPE_CHECKING:
     from autograde.grading.grade import Grade
 
 MOST_FAILED, SLOWEST = 15, 10
+ATTENTION = ("review", "not allowed", "crashed", "incomplete")  # statuses a person should look at
 SLOWEST_HEADING = "<h2>Slowest notebooks</h2>"
 
 
-def _figure_tag(figure) -> str:
+def _figure_tag(figure, alt: str) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f'<img alt="figure" src="data:image/png;base64,{encoded}">'
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
 
 
 def _figures(rows: list[tuple[str, Grade]]) -> str:
@@ -40,7 +45,7 @@ def _figures(rows: list[tuple[str, Grade]]) -> str:
     for _, grade in rows:
         by_exercise[grade.exercise.id].append(grade)
     exercises = list(by_exercise)
-    figure, axes = plt.subplots(1, len(exercises), figsize=(3 * len(exercises), 2.6), squeeze=False)
+    figure, axes = plt.subplots(1, len(exercises), figsize=(3 * len(exercises), 2.8), squeeze=False)
     for axis, exercise in zip(axes[0], exercises):
         grades = by_exercise[exercise]
         top = max(g.max_score for g in grades) or 1
@@ -48,22 +53,26 @@ def _figures(rows: list[tuple[str, Grade]]) -> str:
         axis.set_title(exercise)
         axis.set_xlabel("score")
     axes[0][0].set_ylabel("students")
+    figure.suptitle("Scores by exercise")
     figure.tight_layout()
-    scores = _figure_tag(figure)
+    means = ", ".join(f"{e} {points(sum(g.score for g in by_exercise[e]) / len(by_exercise[e]))}" for e in exercises)
+    scores = _figure_tag(figure, f"Histograms of the scores of each exercise; mean scores: {means}")
     plt.close(figure)
 
     statuses = Counter((grade.exercise.id, grade.status) for _, grade in rows)
     names = sorted({status for _, status in statuses})
-    figure, axis = plt.subplots(figsize=(max(4.0, 1.2 * len(exercises)), 2.6))
+    figure, axis = plt.subplots(figsize=(max(4.0, 1.2 * len(exercises)), 2.8))
     bottom = [0] * len(exercises)
     for status in names:
         counts = [statuses[exercise, status] for exercise in exercises]
         axis.bar(exercises, counts, bottom=bottom, label=status)
         bottom = [b + c for b, c in zip(bottom, counts)]
     axis.set_ylabel("notebooks")
+    axis.set_title("Notebooks by status")
     axis.legend(fontsize="small")
     figure.tight_layout()
-    status_figure = _figure_tag(figure)
+    counted = "; ".join(f"{status}: {sum(statuses[e, status] for e in exercises)}" for status in names)
+    status_figure = _figure_tag(figure, f"Stacked bars of the notebooks of each exercise by status; in all, {counted}")
     plt.close(figure)
     return scores + status_figure
 
@@ -75,19 +84,44 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def most_failed(rows: list[tuple[str, Grade]]) -> list[list[str]]:
-    """(exercise, test, failures, share of the notebooks that ran it, most common first problem)."""
+    """(exercise, test, notebooks failing it, their share of those that ran it, failed cases, the most
+    common failure): a parametrised test's cases counted together, a notebook once per test."""
     ran: Counter = Counter()
-    failures: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    failing: Counter = Counter()
+    cases: Counter = Counter()
+    messages: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for _, grade in rows:
-        for result in grade.results:
-            if result.ran:
-                ran[grade.exercise.id, result.name] += 1
-                if not result.passed:
-                    failures[grade.exercise.id, result.name][result.problems[0][:200]] += 1
-    ranked = sorted(failures, key=lambda key: (-sum(failures[key].values()), key))[:MOST_FAILED]
-    return [[exercise, test, str(sum(failures[exercise, test].values())),
-             f"{sum(failures[exercise, test].values()) / ran[exercise, test]:.0%}",
-             failures[exercise, test].most_common(1)[0][0]] for exercise, test in ranked]
+        ran.update({(grade.exercise.id, r.test) for r in grade.results if r.ran})
+        failed = [r for r in grade.results if r.ran and not r.passed]
+        failing.update({(grade.exercise.id, r.test) for r in failed})
+        for result in failed:
+            cases[grade.exercise.id, result.test] += 1
+            messages[grade.exercise.id, result.test][failure_message(result)[:200]] += 1
+    ranked = sorted(failing, key=lambda key: (-failing[key], key))[:MOST_FAILED]
+    return [[exercise, test, str(failing[exercise, test]), f"{failing[exercise, test] / ran[exercise, test]:.0%}",
+             str(cases[exercise, test]), messages[exercise, test].most_common(1)[0][0]] for exercise, test in ranked]
+
+
+def needing_attention(rows: list[tuple[str, Grade]]) -> list[list[str]]:
+    """(student, exercise, status, why) of each notebook a person should look at."""
+    found = []
+    for student, grade in rows:
+        changed = any(note.startswith(CHANGED) for note in grade.notes)
+        if grade.status in ATTENTION or changed:
+            status = grade.status + (", changed from the release (integrity.csv)" if changed else "")
+            found.append([student, grade.exercise.id, status, grade.reason[:300]])
+    return found
+
+
+def by_student(rows: list[tuple[str, Grade]], exercises: list[str]) -> list[list[str]]:
+    """Each student's total and, per exercise, the score with any status but graded."""
+    table = []
+    for student in dict.fromkeys(student for student, _ in rows):
+        grades = {g.exercise.id: g for s, g in rows if s == student}
+        cells = [f"{points(g.score)}" + ("" if g.status == "graded" else f" ({g.status})") if g else ""
+                 for g in (grades.get(e) for e in exercises)]
+        table.append([student, points(sum(g.score for g in grades.values())), *cells])
+    return table
 
 
 def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
@@ -99,6 +133,7 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
         scores = sorted(g.score for g in grades)
         summary.append([exercise, str(len(grades)), points(sum(scores) / len(scores)), points(scores[len(scores) // 2]),
                         points(grades[0].max_score), str(sum(g.score == g.max_score for g in grades))])
+    attention = needing_attention(rows)
     # Measured times: they differ between any two runs, a single one and merged shards alike.
     slowest = sorted(rows, key=lambda row: (-row[1].seconds, row[0], row[1].exercise.id))[:SLOWEST]
     parts = [
@@ -107,11 +142,18 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
         "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left}img{max-width:100%}</style></head><body>",
         f"<h1>Class report</h1><p>{len(students)} students, {len(rows)} notebooks, hidden tests drawn with seed "
         f"{seed}. For the instructor only: it shows the hidden tests' failures.</p>",
+        "<h2>Needs attention</h2>",
+        _table(["student", "exercise", "status", "why"], attention) if attention
+        else "<p>No notebook needs a person's look: none for review, not allowed, crashed, cut short or changed "
+             "from the release.</p>",
         "<h2>Scores</h2>",
         _table(["exercise", "notebooks", "mean", "median", "max score", "full marks"], summary),
         rows and _figures(rows) or "",
+        "<h2>Students</h2>",
+        _table(["student", "total", *exercises], by_student(rows, exercises)),
         "<h2>Tests most often failed</h2>",
-        _table(["exercise", "test", "failed", "of those run", "most common failure"], most_failed(rows)),
+        _table(["exercise", "test", "notebooks failing it", "of those run", "cases failed", "most common failure"],
+               most_failed(rows)),
         SLOWEST_HEADING,
         _table(["student", "exercise", "seconds", "status"],
                [[s, g.exercise.id, f"{g.seconds:.1f}", g.status] for s, g in slowest]),

@@ -31,6 +31,16 @@ class CaseResult:
     problems: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def test(self) -> str:
+        """The test's name without a parametrised case's id: `forward-random` of `forward-random[L < S, ...]`."""
+        return self.name.split("[", 1)[0]
+
+    @property
+    def case(self) -> str:
+        """A parametrised case's id (`L < S, ...`), else ""."""
+        return self.name[len(self.test) + 1:-1] if "[" in self.name else ""
+
+    @property
     def passed(self) -> bool:
         return not self.problems
 

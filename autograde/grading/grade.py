@@ -109,7 +109,7 @@ def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandb
     violations, _ = forbidden.scan_graded([(cell.label, cell.source) for cell in cells], exercise)
     if violations:
         return Blocked(exercise, _not_allowed_reason(violations))
-    return SandboxedSubmission(exercise, [(cell.number, cell.source) for cell in cells], limits)
+    return SandboxedSubmission(exercise, [(cell.number, cell.source, cell.run_as) for cell in cells], limits)
 
 
 def grade_notebook(path: Path, exercise: Exercise, seed: int,
@@ -134,7 +134,7 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
     if violations:
         return not_run(exercise, NOT_ALLOWED, _not_allowed_reason(violations), changed)
     session = Session(exercise, lambda: SandboxedSubmission(
-        exercise, [(cell.number, cell.source) for cell in cells], limits),
+        exercise, [(cell.number, cell.source, cell.run_as) for cell in cells], limits),
         submission_seed(seed, submitter_of(path) if submitter is None else submitter))
     code = session.run()
     graded = _grade(session, limits, code)

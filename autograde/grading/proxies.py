@@ -226,9 +226,11 @@ def _peak_so_far() -> int:
 class SandboxedSubmission(_Proxy):
     """A notebook's code in a sandboxed worker; `close()` ends it and says how it ended."""
 
-    def __init__(self, exercise: Exercise, cells: list[tuple[int, str]], limits: sandbox.Limits,
+    def __init__(self, exercise: Exercise, cells: list[tuple], limits: sandbox.Limits,
                  folder: Path | None = None):
-        """`folder`: where the job's folders go, kept afterwards; by default a temporary one, removed."""
+        """`cells`: (position, source) or (position, source, execution count) of each code cell, named in
+        messages as `extract.cell_label` names them; `folder`: where the job's folders go, kept
+        afterwards; by default a temporary one, removed."""
         super().__init__(exercise)
         self.limits = limits
         self._scratch = tempfile.TemporaryDirectory(prefix="autograde-") if folder is None else None

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 CSV_COLUMNS = ("student", "exercise", "score", "max_score", "status", "reason", "seed", "changed_from_release",
                "assignment", "assignment_score", "assignment_max_score", "total_score", "total_max_score")
-RESULT_COLUMNS = ("student", "exercise", "test", "points", "max_points", "status")
+RESULT_COLUMNS = ("student", "exercise", "test", "points", "max_points", "status", "visible", "message")
+FOLDED_CASES_SHOWN = 3  # a parametrised test's failed cases named in a learner's feedback; the rest counted
 INTEGRITY_COLUMNS = ("student", "exercise", "finding")
 INTEGRITY_FILE = "integrity.csv"  # the instructor's: what changed from the release, one finding a row
 
@@ -149,7 +150,8 @@ def result_status(grade: Grade, result: CaseResult) -> str:
 def write_results_csv(path: Path, rows: list[tuple[str, Grade]]) -> None:
     """One row per (student, exercise, test): the long format, for a spreadsheet's pivot table."""
     lines = [[spreadsheet_text(student), grade.exercise.id, result.name,
-              points(result.earned if grade.counted else 0), points(result.points), result_status(grade, result)]
+              points(result.earned if grade.counted else 0), points(result.points), result_status(grade, result),
+              "yes" if result.visible else "no", spreadsheet_text(failure_message(result))]
              for student, grade in rows for result in grade.results]
     write_atomically(path, _csv_text(RESULT_COLUMNS, lines))
 
@@ -157,10 +159,13 @@ def write_results_csv(path: Path, rows: list[tuple[str, Grade]]) -> None:
 def write_gradebooks(folder: Path, rows: list[tuple[str, Grade]]) -> None:
     """One row per student and a column per assignment, as Canvas and Moodle import them.
 
-    Canvas matches rows on "SIS Login ID" here (the submission folder's name, nbgrader's
-    student id) and reads the maximum of each column from its "Points Possible" row; Moodle's
-    "Import grades from CSV" maps "Username" to its users and each assignment column to a
-    grade item. Both compute the course total themselves.
+    Canvas's gradebook import reads the columns "Student", "ID", "SIS User ID", "SIS Login ID" and
+    "Section" (one identifying column filled is enough: "SIS Login ID" here, the submission
+    folder's name, nbgrader's student id), then one column per assignment, named by the
+    assignment alone: a name ending in a number in parentheses would be read as the id of an
+    existing Canvas assignment. The maximum of each is its "Points Possible" row, the first under
+    the header. Moodle's "Import grades from CSV" maps an identifying column ("Username") to its
+    users and each other column to a grade item. Both compute the course total themselves.
     """
     by_assignment, _ = _totals(rows)
     students = list(dict.fromkeys(student for student, _ in rows))
@@ -174,10 +179,43 @@ def write_gradebooks(folder: Path, rows: list[tuple[str, Grade]]) -> None:
     canvas = [["Points Possible", "", "", "", "", *(points(maxima[a]) for a in assignments)]]
     canvas += [[spreadsheet_text(s), "", "", spreadsheet_text(s), "", *scores(s)] for s in students]
     write_atomically(folder / "canvas.csv", _csv_text(
-        ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", *(f"{a} ({points(maxima[a])} points)"
-                                                                        for a in assignments)], canvas))
+        ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", *assignments], canvas))
     write_atomically(folder / "moodle.csv", _csv_text(
         ["Username", *assignments], [[spreadsheet_text(s), *scores(s)] for s in students]))
+
+
+def failure_message(result: CaseResult) -> str:
+    """What a failed test found, on one line: its first problem after the inputs line."""
+    found = [problem for problem in result.problems if not problem.startswith("inputs: ")]
+    return (found or list(result.problems) or [""])[0][:300]
+
+
+def folded(results: tuple[CaseResult, ...] | list[CaseResult]) -> list[list[CaseResult]]:
+    """The results grouped by test, a parametrised test's cases together, in order."""
+    groups: dict[tuple[str, bool], list[CaseResult]] = {}
+    for result in results:
+        groups.setdefault((result.test, result.visible), []).append(result)
+    return list(groups.values())
+
+
+def _group_row(grade: Grade, cases: list[CaseResult]) -> str:
+    """A feedback table's row for one test: its cases folded into one line, the failed ones named."""
+    first = cases[0]
+    name = first.test if len(cases) > 1 else first.name
+    name += "" if first.visible else " (hidden)"
+    earned = total(r.earned for r in cases) if grade.counted else 0
+    failed = [r.case for r in cases if r.ran and not r.passed]
+    not_run = sum(not r.ran for r in cases)
+    if len(cases) == 1:
+        outcome = result_status(grade, first)
+    elif not failed and not_run in (0, len(cases)):
+        outcome = f"{result_status(grade, first)} (all {len(cases)} cases)"
+    else:
+        shown = "; ".join(failed[:FOLDED_CASES_SHOWN]) + (f"; {len(failed) - FOLDED_CASES_SHOWN} more"
+                                                         if len(failed) > FOLDED_CASES_SHOWN else "")
+        outcome = ", ".join(filter(None, [f"{len(failed)} of {len(cases)} cases failed ({shown})" if failed else "",
+                                          f"{not_run} of {len(cases)} not run" if not_run else ""]))
+    return f"| {name} | {points(earned)} / {points(total(r.points for r in cases))} | {outcome} |"
 
 
 def _markdown_problems(result: CaseResult) -> list[str]:
@@ -212,11 +250,7 @@ def feedback_markdown(student: str, grades: list[Grade], seed: int) -> str:
         notes = learner_notes(grade.notes)
         lines += [f"- {note}" for note in notes] + ([""] if notes else [])
         lines += ["| Test | Points | Result |", "|---|---|---|"]
-        for result in grade.results:
-            name = result.name if result.visible else f"{result.name} (hidden)"
-            outcome = result_status(grade, result)
-            earned = result.earned if grade.counted else 0
-            lines.append(f"| {name} | {points(earned)} / {points(result.points)} | {outcome} |")
+        lines += [_group_row(grade, cases) for cases in folded(grade.results)]
         lines.append("")
         failed = [r for r in grade.results if r.visible and not r.passed]
         if failed and grade.counted:

@@ -36,6 +36,7 @@ from autograde.sandbox.calls import LearnerCalls
 from autograde.sandbox.observe import Failure, failure_from, learner_line, observe
 from autograde.sandbox.tripwire import Tripwire
 from autograde.sandbox.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
+from autograde.submission.extract import cell_label
 from autograde.submission.forbidden import Violation
 
 # What a thread started by the notebook is reported as: the tripwire's function mode and the rules'
@@ -61,18 +62,18 @@ def time_limited(seconds: float, function, *args):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def run_cell(number: int, source: str, namespace: dict) -> None:
-    filename = f"<cell {number}>"
+def run_cell(label: str, source: str, namespace: dict) -> None:
+    filename = f"<{label}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
 
 
-def cell_failure(exc: BaseException, number: int, seconds: float) -> Failure:
+def cell_failure(exc: BaseException, label: str, seconds: float) -> Failure:
     if isinstance(exc, TimeLimit):
-        return Failure("timeout", "TimeLimit", f"cell {number} was stopped after {seconds:g} s")
+        return Failure("timeout", "TimeLimit", f"{label} was stopped after {seconds:g} s")
     if isinstance(exc, SyntaxError):
         code = f": `{exc.text.strip()}`" if exc.text else ""
-        return Failure("exception", type(exc).__name__, exc.msg or "", f"cell {number}, line {exc.lineno}{code}")
+        return Failure("exception", type(exc).__name__, exc.msg or "", f"{label}, line {exc.lineno}{code}")
     return failure_from(exc)
 
 
@@ -123,12 +124,13 @@ def main(folder: Path) -> None:
     threads = Threads()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     failed_cells = []
-    for number, source in job["cells"]:
-        write_json(folder / "status.json", {"running": f"cell {number}"})  # read if the process ends here
+    for number, source, *run_as in job["cells"]:  # (position, source[, execution count])
+        label = cell_label(number, *run_as)
+        write_json(folder / "status.json", {"running": label})  # read if the process ends here
         try:
-            time_limited(job["cell_seconds"], run_cell, number, source, namespace)
+            time_limited(job["cell_seconds"], run_cell, label, source, namespace)
         except BaseException as exc:  # as in Jupyter, a failing cell does not stop the next ones
-            failure = cell_failure(exc, number, job["cell_seconds"])
+            failure = cell_failure(exc, label, job["cell_seconds"])
             failed_cells.append([number, failure.kind, failure.type_name, failure.message, failure.where])
     # Objects made so far are left out of later collections: a full one during a call would read
     # every page holding them (170 MiB with torch imported), which the fork server counts as memory

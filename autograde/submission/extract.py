@@ -25,10 +25,16 @@ _MAGIC = re.compile(r"^(\s*)(%|!|\w+\s*=\s*[!%])")
 class Cell:
     number: int  # position in the notebook, counting every cell from 1
     source: str
+    run_as: int | None = None  # its execution count when saved, which Jupyter shows beside it as [7]
 
     @property
     def label(self) -> str:
-        return f"cell {self.number}"
+        """'cell 5 (In [7])': where it is, and the number `check()` names it by in the kernel."""
+        return cell_label(self.number, self.run_as)
+
+
+def cell_label(number: int, run_as: int | None = None) -> str:
+    return f"cell {number}" + (f" (In [{run_as}])" if run_as else "")
 
 
 def is_release_check(cell: nbformat.NotebookNode) -> bool:
@@ -88,5 +94,6 @@ def code_cells(notebook: nbformat.NotebookNode) -> list[Cell]:
             continue
         source = without_magics(cell.source)
         if source is not None and source.strip():
-            cells.append(Cell(number, without_checks(source)))
+            count = cell.get("execution_count")
+            cells.append(Cell(number, without_checks(source), count if type(count) is int and count > 0 else None))
     return cells
