@@ -45,8 +45,8 @@ def write_outputs(out: Path, rows: list, seed: int, students: list[str]) -> str:
     """grades.csv, results.csv (one row per test), gradebooks for Canvas and Moodle, integrity.csv, the
     class report, and feedback per student in Markdown and HTML: the same for one run and for merged
     shards. Returns the line that names them."""
-    print(f"writing the grades, the gradebooks, the class report and {plural(len(students), 'student')}'s "
-          "feedback", file=sys.stderr)
+    print(f"writing the grades, the gradebooks, the class report and the feedback of "
+          f"{plural(len(students), 'student')}", file=sys.stderr)
     report.write_csv(out / "grades.csv", rows, seed)
     report.write_results_csv(out / "results.csv", rows)
     report.write_gradebooks(out, rows)

@@ -262,9 +262,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.update()
 
     # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
-    with tqdm(total=len(tasks), unit="notebook", disable=not progress,
+    with tqdm(total=len(tasks), unit="notebook", disable=not progress, postfix=STARTING,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
-        bar.set_postfix_str(STARTING)
         if jobs <= 1 or len(tasks) <= 1:
             if tasks:
                 start_sandbox()
