@@ -136,6 +136,21 @@ class Exercise:
         return f"{self.assignment}/{self.id}.ipynb"
 
 
+def float_copy(value: Any, dtype: torch.dtype = torch.float64) -> Any:
+    """`value` with every floating-point tensor (in Inputs, dicts, lists and tuples too) copied as `dtype`."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return value
+        return value.detach().to(dtype).requires_grad_(value.requires_grad)
+    if isinstance(value, Inputs):
+        return value.cast(dtype)
+    if isinstance(value, dict):
+        return {key: float_copy(item, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(float_copy(item, dtype) for item in value)
+    return value
+
+
 def submission_seed(secret: int, submitter: str) -> int:
     """The hidden tests' seed for one submitter: an HMAC of their name keyed by the instructor's
     secret seed. Classmates draw different hidden inputs, so that one student's tell nothing of

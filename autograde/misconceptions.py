@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from autograde import course
+from autograde import course, solutions
+from autograde.cases import float_copy
 from autograde.sandbox.observe import TensorValue
 
 
@@ -262,11 +263,16 @@ def _triton_queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable
 
 
 def _triton_top_left(attention):
+    """Query i sees keys 0 .. i: with S > L, the first L keys under the square mask; with L > S, the
+    first S queries under it and the others every key."""
     def top_left(q, k, v, causal=False):
-        length = q.shape[-2]
-        if causal and k.shape[-2] > length:
-            return attention(q, k[..., :length, :].contiguous(), v[..., :length, :].contiguous(), True)
-        return attention(q, k, v, causal)
+        L, S = q.shape[-2], k.shape[-2]
+        if not causal or L == S:
+            return attention(q, k, v, causal)
+        if S > L:
+            return attention(q, k[..., :L, :].contiguous(), v[..., :L, :].contiguous(), True)
+        first, rest = attention(q[..., :S, :].contiguous(), k, v, True), attention(q[..., S:, :].contiguous(), k, v)
+        return torch.cat([first[0], rest[0]], dim=-2), torch.cat([first[1], rest[1]], dim=-1)
     return top_left
 
 
@@ -435,12 +441,11 @@ def of(exercise_id: str) -> list[Misconception]:
 @functools.cache
 def _calls(misconception: Misconception):
     """The exercise's calls on a fresh run of the solution cells, the misconception's functions in place."""
-    from autograde.grading import reference
     from autograde.registry import EXERCISES
     from autograde.sandbox.calls import LearnerCalls
 
     exercise = EXERCISES[misconception.exercise]
-    names = reference.namespace.__wrapped__(exercise)  # not the reference's own (cached) namespace
+    names = solutions.namespace.__wrapped__(exercise)  # not the reference's own (cached) namespace
     for name, wrong in misconception.overrides.items():
         names[name] = wrong(names[name])
     return LearnerCalls(exercise, names)
@@ -506,7 +511,6 @@ def diagnose(got: Any, expected: Any, differences: Callable[[Any, Any], list[str
     recorder = _recording.get()
     if recorder is None or not recorder.calls or not course.has_solutions():
         return None
-    from autograde.grading.proxies import float_copy
     from autograde.sandbox.observe import observe
 
     for misconception in of(recorder.exercise_id):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autograde.cases import TOLERANCE, Draw, Inputs
-from autograde.grading.compare import compare_floats, compare_tensor, describe
+from autograde.compare import compare_floats, compare_tensor, describe
 from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, observe, pair, raised
 
 __all__ = ["adapter", "adapters_of", "oracle", "oracle_of", "assert_rule", "assert_same", "returned_pair", "Draw",

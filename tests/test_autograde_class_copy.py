@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from autograde.grading import expected, reference
+from autograde import solutions
+from autograde.grading import expected
 from autograde.grading.proxies import LearnerFailed
 from autograde.registry import EXERCISES
 from tests.fixtures.notebooks import ROOT
@@ -69,7 +70,7 @@ def check_in(copy: Path, answers: dict[str, list[str]]) -> dict:
 
 
 def solution(exercise) -> list[str]:
-    return reference.solution_cells(json.loads((ROOT / "solutions" / exercise.notebook).read_text()))
+    return solutions.solution_cells(json.loads((ROOT / "solutions" / exercise.notebook).read_text()))
 
 
 def test_every_solution_passes_its_visible_tests_from_the_released_values_alone(class_copy: Path):

@@ -13,8 +13,8 @@ from nbgrader import utils
 
 from autograde import course
 from autograde import registry as exercises
+from autograde.compare import CaseResult
 from autograde.grading import report
-from autograde.grading.compare import CaseResult
 from autograde.grading.grade import Grade
 from autograde.grading.session import catalogue
 from autograde.submission import integrity, notebook

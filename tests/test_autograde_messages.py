@@ -7,8 +7,8 @@ import torch
 
 from autograde import registry
 from autograde.cases import Inputs
+from autograde.compare import FLOAT32_HINT, NOT_RUN, CaseResult, compare_floats, compare_tensor
 from autograde.frontends.check import check
-from autograde.grading.compare import FLOAT32_HINT, NOT_RUN, CaseResult, compare_floats, compare_tensor
 from autograde.grading.report import case_lines, check_text, counted
 from autograde.sandbox.observe import TensorValue
 

@@ -18,8 +18,8 @@ from torch import nn
 from autograde import cases
 from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
+from autograde.compare import CaseResult, compare_tensor
 from autograde.grading import grade
-from autograde.grading.compare import CaseResult, compare_tensor
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox import isolation, wire
 from autograde.sandbox.observe import OtherValue, observe_tensor

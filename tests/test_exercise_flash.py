@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde import rules
+from autograde import rules, solutions
 from autograde.frontends import check as self_check
-from autograde.grading import grade, reference
+from autograde.grading import grade
 from autograde.grading.session import catalogue, max_score
 from autograde.sandbox.observe import Submission
 from tests.fixtures.implementations import (
@@ -452,9 +452,9 @@ def test_the_grader_gives_the_solutions_full_marks_and_the_release_0(tmp_path: P
 
 # The references against PyTorch: an oracle that is not the course's code.
 
-FORWARD_REF = reference.namespace(exercises.get("flash_forward"))
-BACKWARD_REF = reference.namespace(exercises.get("flash_backward"))
-TRITON_REF = reference.namespace(exercises.get("flash_triton"))
+FORWARD_REF = solutions.namespace(exercises.get("flash_forward"))
+BACKWARD_REF = solutions.namespace(exercises.get("flash_backward"))
+TRITON_REF = solutions.namespace(exercises.get("flash_triton"))
 
 SHAPES = [
     # B, H, L, S, d, causal, block_q, block_k

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autograde import registry as exercises
-from autograde.grading import reference
+from autograde import solutions
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
@@ -37,8 +37,8 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(120)
 
-GQA = reference.namespace(exercises.get("gqa"))
-KV = reference.namespace(exercises.get("kv_cache"))
+GQA = solutions.namespace(exercises.get("gqa"))
+KV = solutions.namespace(exercises.get("kv_cache"))
 STEP = "gqa_decode_step"
 GQA_TESTS = exercises.module(exercises.get("gqa"))
 KV_TESTS = exercises.module(exercises.get("kv_cache"))

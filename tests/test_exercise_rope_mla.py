@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde import rules
+from autograde import rules, solutions
 from autograde.cases import Inputs
 from autograde.frontends import check as self_check
 from autograde.frontends.nbgrader import test_function as function_of_test
-from autograde.grading import reference
 from autograde.grading.session import catalogue
 from autograde.submission import extract
 from tests.fixtures.implementations import Variant, fs, variant_id
@@ -37,8 +36,8 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(300)
 
-ROPE = reference.namespace(exercises.get("rope"))
-MLA = reference.namespace(exercises.get("mla"))
+ROPE = solutions.namespace(exercises.get("rope"))
+MLA = solutions.namespace(exercises.get("mla"))
 MLA_TESTS = exercises.module(exercises.get("mla"))
 SEEDS = (1, 2, 3, 5, 8, 13)  # the seeds on which every wrong answer must lose exactly its hidden tests
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.grading import reference
+from autograde import solutions
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import (
     MHA_RIGHT,
@@ -38,8 +38,8 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(120)
 
-SDPA = reference.namespace(exercises.get("sdpa"))
-MHA = reference.namespace(exercises.get("mha"))
+SDPA = solutions.namespace(exercises.get("sdpa"))
+MHA = solutions.namespace(exercises.get("mha"))
 GRADED_WRONG = [variant for variant in SDPA_WRONG + MHA_WRONG if not variant.not_allowed]
 
 

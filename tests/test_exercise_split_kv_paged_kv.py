@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.grading import reference
+from autograde import solutions
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
@@ -33,8 +33,8 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(300)
 
-SPLIT_KV = reference.namespace(exercises.get("split_kv"))
-PAGED_KV = reference.namespace(exercises.get("paged_kv"))
+SPLIT_KV = solutions.namespace(exercises.get("split_kv"))
+PAGED_KV = solutions.namespace(exercises.get("paged_kv"))
 SPLIT_TESTS = exercises.module(exercises.get("split_kv"))
 PAGED_TESTS = exercises.module(exercises.get("paged_kv"))
 MERGE, SPLIT, APPEND, ATTENTION = "merge_attention_states", "split_kv_attention", "append_to_paged_cache", \

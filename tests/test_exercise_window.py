@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde.grading import batch, reference
+from autograde import solutions
+from autograde.grading import batch
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import Variant, cases, fs, variant_id
 from tests.fixtures.notebooks import (
@@ -30,7 +31,7 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(300)
 
-WINDOW = reference.namespace(exercises.get("window"))
+WINDOW = solutions.namespace(exercises.get("window"))
 TESTS = exercises.module(exercises.get("window"))
 MASK, ATTENTION, CACHE = "sliding_window_mask", "windowed_attention", "RollingKVCache"
 

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from autograde import registry as exercises
-from autograde.grading import reference
+from autograde import solutions
 
 pytestmark = pytest.mark.timeout(120)
 
-SDPA = reference.namespace(exercises.get("sdpa"))
-MHA = reference.namespace(exercises.get("mha"))
+SDPA = solutions.namespace(exercises.get("sdpa"))
+MHA = solutions.namespace(exercises.get("mha"))
 
 
 def random_mask(generator, shape, empty_rows=0):

@@ -18,11 +18,11 @@ PACKAGE = ROOT / "autograde"
 # Bottom to top. The exercise definitions sit between running a submission and grading it: the
 # worker runs their adapters, the grading process their tests; the tests' pytest plugin is grading's.
 LAYERS = (
-    ("foundation", ("autograde.cases", "autograde.course", "autograde.triton_interpreter")),
+    ("foundation", ("autograde.cases", "autograde.course", "autograde.solutions", "autograde.triton_interpreter")),
     ("submission", ("autograde.submission",)),
     ("sandbox", ("autograde.sandbox",)),
-    ("exercises", ("autograde.registry", "autograde.testing", "autograde.rules", "autograde.misconceptions",
-                   "autograde.tests")),
+    ("exercises", ("autograde.registry", "autograde.testing", "autograde.compare", "autograde.rules",
+                   "autograde.misconceptions", "autograde.tests")),
     ("grading", ("autograde.grading", "autograde.tests.conftest")),
     ("front ends", ("autograde.frontends", "autograde.__main__")),
 )
@@ -31,9 +31,6 @@ DEBTS = {
     ("autograde.sandbox.worker", "autograde.registry"): "the worker finds its exercise's adapters by id",
     ("autograde.sandbox.client", "autograde.registry"): "the client reads an exercise's environment and GPU flag",
     ("autograde.submission.locate", "autograde.registry"): "which notebooks answer which exercise",
-    ("autograde.testing", "autograde.grading.compare"): "assert_same compares as the grader does",
-    ("autograde.misconceptions", "autograde.grading.reference"): "a misconception is the solution with a change",
-    ("autograde.misconceptions", "autograde.grading.proxies"): "and is called as the reference is",
 }
 
 
@@ -64,7 +61,7 @@ def imported(source: str) -> set[str]:
 
 
 def _module_of(dotted: str) -> str:
-    """`autograde.grading.compare.describe` -> `autograde.grading.compare`: the longest prefix that is a module."""
+    """`autograde.compare.describe` -> `autograde.compare`: the longest prefix that is a module."""
     parts = dotted.split(".")
     return next(".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in MODULES
                 or end == 1)
@@ -90,7 +87,7 @@ def test_no_import_runs_up_the_layers_but_the_known_debts():
 
 
 def test_the_check_sees_an_upward_import():
-    assert ("autograde.testing", "autograde.grading.compare") in upward_imports()
+    assert ("autograde.sandbox.worker", "autograde.registry") in upward_imports()
     assert layer("autograde.sandbox.worker") < layer("autograde.grading.session") < layer("autograde.frontends.cli")
-    assert imported("from autograde.grading import compare\ndef f():\n    import autograde.frontends.cli\n") == {
-        "autograde.grading.compare", "autograde.frontends.cli"}
+    assert imported("from autograde.grading import report\ndef f():\n    import autograde.frontends.cli\n") == {
+        "autograde.grading.report", "autograde.frontends.cli"}

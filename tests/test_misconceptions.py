@@ -7,9 +7,8 @@ import io
 
 import pytest
 
-from autograde import misconceptions
+from autograde import misconceptions, solutions
 from autograde.frontends.check import check
-from autograde.grading import reference
 from autograde.registry import EXERCISES, ORDER
 from tests.fixtures.implementations import MHA_WRONG, SDPA_WRONG
 from tests.test_exercise_flash import WRONG as FLASH_WRONG
@@ -37,7 +36,7 @@ def causes(output: str) -> set[str]:
 
 def solution_with(exercise_id: str, overrides: dict) -> dict:
     """A fresh run of the solution cells with some functions replaced, as a learner's notebook."""
-    names = reference.namespace.__wrapped__(EXERCISES[exercise_id])
+    names = solutions.namespace.__wrapped__(EXERCISES[exercise_id])
     for name, wrong in overrides.items():
         names[name] = wrong(names[name])
     return names

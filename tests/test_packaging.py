@@ -53,7 +53,7 @@ def test_the_wheel_holds_the_tests_and_their_configuration(installed: Path):
 def test_check_works_from_the_course_folder(installed: Path):
     check = ("import autograde, sys\n"
              f"assert autograde.__file__.startswith({str(installed)!r}), autograde.__file__\n"
-             "from autograde.grading.reference import namespace\nfrom autograde import registry, check\n"
+             "from autograde.solutions import namespace\nfrom autograde import registry, check\n"
              "check('sdpa', namespace=dict(namespace(registry.get('sdpa'))))")
     result = run(installed, "-c", check, cwd=ROOT / "exercises" / "attention")
     assert result.returncode == 0, result.stderr[-2000:]

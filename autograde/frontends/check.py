@@ -12,7 +12,7 @@ import inspect
 
 from autograde import registry
 from autograde.cases import Exercise
-from autograde.grading.compare import CaseResult, total
+from autograde.compare import CaseResult, total
 from autograde.grading.proxies import LocalSubmission
 from autograde.grading.report import check_text
 from autograde.grading.session import Session, catalogue

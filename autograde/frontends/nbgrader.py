@@ -17,8 +17,8 @@ from pathlib import Path
 
 from autograde import registry
 from autograde.cases import Exercise, submission_seed, submitter_of
+from autograde.compare import total
 from autograde.frontends.check import run_in_kernel
-from autograde.grading.compare import total
 from autograde.grading.session import SEED_VARIABLE, catalogue, hidden_seed_from_environment
 from autograde.submission import forbidden
 

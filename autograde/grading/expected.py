@@ -16,10 +16,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from autograde import course
+from autograde import course, solutions
 from autograde.cases import Exercise
-from autograde.grading import reference as solutions
-from autograde.grading.compare import NOT_RUN
+from autograde.compare import NOT_RUN
 from autograde.grading.proxies import LearnerFailed, LocalSubmission, Reference, _Proxy, released_fingerprint
 from autograde.sandbox import wire
 from autograde.sandbox.observe import Failure

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autograde.cases import Exercise, submission_seed, submitter_of
-from autograde.grading.compare import CaseResult, total
+from autograde.compare import CaseResult, total
 from autograde.grading.proxies import SandboxedSubmission, _Proxy
 from autograde.grading.session import Blocked, Session, catalogue
 from autograde.registry import EXERCISES

@@ -17,8 +17,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from autograde.compare import CaseResult
 from autograde.grading import provenance
-from autograde.grading.compare import CaseResult
 from autograde.grading.grade import Grade
 from autograde.registry import EXERCISES
 

@@ -24,8 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
-from autograde.cases import Exercise, Inputs
-from autograde.grading import reference as solutions
+from autograde import solutions
+from autograde.cases import Exercise, Inputs, float_copy
 from autograde.rules import CallCost
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, wire
@@ -119,21 +119,6 @@ class Reference(_Proxy):
                 raise RuntimeError(f"two calls of {name} differ only beyond float32's precision: "
                                    "their released expected values would be confused")
         return self._cache[key]
-
-
-def float_copy(value: Any, dtype: torch.dtype = torch.float64) -> Any:
-    """`value` with every floating-point tensor (in Inputs, dicts, lists and tuples too) copied as `dtype`."""
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            return value
-        return value.detach().to(dtype).requires_grad_(value.requires_grad)
-    if isinstance(value, Inputs):
-        return value.cast(dtype)
-    if isinstance(value, dict):
-        return {key: float_copy(item, dtype) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(float_copy(item, dtype) for item in value)
-    return value
 
 
 def released_fingerprint(name: str, args: tuple, kwargs: dict) -> str:

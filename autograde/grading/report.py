@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autograde.grading.compare import CaseResult, total
+from autograde.compare import CaseResult, total
 from autograde.submission.forbidden import Violation
 from autograde.submission.integrity import CHANGED, FOR_THE_LEARNER
 

@@ -21,8 +21,8 @@ import pytest
 
 from autograde import course, registry
 from autograde.cases import Exercise
+from autograde.compare import CaseResult, total
 from autograde.grading import expected
-from autograde.grading.compare import CaseResult, total
 from autograde.grading.proxies import LearnerFailed, SandboxedSubmission, _Proxy
 from autograde.sandbox.observe import Failure
 from autograde.submission.forbidden import Violation

@@ -30,7 +30,7 @@ import pytest
 
 from autograde import misconceptions, registry
 from autograde.cases import Draw, Inputs, submission_seed, submitter_of, test_seed
-from autograde.grading.compare import CaseResult
+from autograde.compare import CaseResult
 from autograde.grading.proxies import LearnerFailed, _Proxy
 from autograde.grading.session import (
     SESSIONS_KEY,
