@@ -11,10 +11,14 @@ measures from outside (`test_whole_scores_measured_from_outside`), and the solut
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from autograde import registry
+from autograde.cases import Draw
 from autograde.grading.proxies import LocalSubmission, SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
@@ -308,3 +312,51 @@ def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
         kept = torch.ones(2**25)
     assert kept.sum() == 2**25
     assert peak.problem == "" and peak.growth_bytes is not None and peak.growth_bytes >= 0
+
+
+SEEDS = range(1, 6)
+MARGIN_ANSWERS = {"solution": {}, "masks-in-numpy": {"flash_attention_forward": MASKS_IN_NUMPY},
+                  "whole-matrix": {"flash_attention_forward": FULL_MATRIX_FORWARD}}
+
+
+def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float]:
+    """flash_forward's two cases measured from outside, as the hidden tests measure them, on `seed`'s
+    inputs: the causal/full ratio of the fastest CPU times, and the memory gained and touched over
+    what `rules.whole_scores` allows."""
+    tests = registry.module(registry.get("flash_forward"))
+    exercise = registry.get("flash_forward")
+    cells = extract.code_cells(learner_notebook("flash_forward", answers))
+    submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
+    try:
+        draw = Draw(seed)
+        submission.forward(tests.work_time_inputs(draw, 2 * tests.WORK_TIME_BLOCK))  # run once, not measured
+        inputs = tests.work_time_inputs(draw)
+        seconds: dict[bool, list[float]] = {True: [], False: []}
+        for causal in (True, False) * tests.WORK_TIME_CALLS:
+            with submission.cost_measured() as cost:
+                submission.forward(tests.with_causal(inputs, causal))
+            seconds[causal].append(cost.cpu_seconds)
+        whole = tests.whole_scores_inputs(draw)
+        with submission.cost_measured() as peak:
+            submission.forward(whole)
+    finally:
+        submission.close()
+    scores = whole["q"].shape[-2] * whole["k"].shape[-2]
+    return min(seconds[True]) / min(seconds[False]), (peak.growth_bytes + peak.referenced_bytes) / (2 * scores)
+
+
+def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_seeds_beside_a_cpu_hog():
+    """The margins the hidden cases measured from outside rely on, with another process spinning on a
+    core: the work rule allows 0.85 (causal over full CPU time), the whole-scores rule 1 (memory over
+    all the scores at two bytes each)."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        measured_costs = {(name, seed): outside_costs(answers, seed)
+                          for seed in SEEDS for name, answers in MARGIN_ANSWERS.items()}
+    finally:
+        hog.kill()
+        hog.wait()
+    work = {name: [measured_costs[name, seed][0] for seed in SEEDS] for name in MARGIN_ANSWERS}
+    memory = {name: [measured_costs[name, seed][1] for seed in SEEDS] for name in MARGIN_ANSWERS}
+    assert max(work["solution"]) <= 0.7 and min(work["masks-in-numpy"]) >= 0.95, work
+    assert max(memory["solution"]) <= 0.5 and min(memory["whole-matrix"]) >= 1.5, memory

@@ -17,16 +17,20 @@ every answer. The links are rewritten in the source copy, before nbgrader comput
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from autograde import course, registry
+from autograde import course, registry, solutions
 from autograde.cases import Exercise
 from autograde.grading import expected
-from autograde.grading.session import TestInfo, catalogue
+from autograde.grading.proxies import LocalSubmission, Reference
+from autograde.grading.session import Session, TestInfo, catalogue
+from autograde.sandbox import wire
 
 if TYPE_CHECKING:  # imported where used, after the grader's `notebook.skip_iri_grammars`
     import nbformat
@@ -163,5 +167,36 @@ def release(solutions: Path | None = None, exercises: Path | None = None, book_u
             written.append(Path(shutil.copy(notebook, target)))
     for exercise in registry.EXERCISES.values():
         if (solutions / exercise.notebook).exists():
-            written.append(expected.write(exercise, exercises))
+            written.append(write_expected(exercise, exercises))
     return written
+
+
+ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so that the same solutions give the same file
+
+
+def record_expected(exercise: Exercise) -> dict[str, Any]:
+    """What the reference returned for each call of the visible tests, by the call's fingerprint,
+    with the solution as the submission (so that every test makes all its calls)."""
+    reference = Reference(exercise, recording=True)
+    session = Session(exercise, lambda: LocalSubmission(exercise, solutions.namespace(exercise)),
+                      visible_only=True, own_reference=reference)
+    session.run()
+    failed = [result.name for result in session.results.values() if not result.passed]
+    if failed:
+        raise RuntimeError(f"the solution of {exercise.id} fails its visible tests {failed}: nothing released")
+    return reference.recorded
+
+
+def write_expected(exercise: Exercise, exercises: Path | None = None) -> Path:
+    """Record the visible tests' expected values and write them beside the exercise's notebook."""
+    target = expected.path(exercise, exercises)
+    with tempfile.TemporaryDirectory(prefix="autograde-expected-") as scratch:
+        folder, names = Path(scratch), (f"a{index}" for index in itertools.count())
+        recorded = sorted(record_expected(exercise).items())
+        index = {key: wire.encode_result(value, folder, names) for key, value in recorded}
+        wire.write_json(folder / expected.INDEX, index)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(target, "w") as archive:
+            for file in sorted(folder.iterdir(), key=lambda p: p.name):
+                archive.writestr(zipfile.ZipInfo(file.name, ZIP_TIME), file.read_bytes(), zipfile.ZIP_DEFLATED)
+    return target

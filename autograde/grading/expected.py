@@ -1,63 +1,33 @@
 """The visible tests' expected values, released with the exercises: a learner's checks need no solutions.
 
 `python -m autograde release` runs each exercise's visible tests on the solution and writes
-what the reference returned for each of their calls to `exercises/<assignment>/<id>.expected.zip`:
-`index.json` (each call's fingerprint and its result, encoded as the worker encodes a reply)
-and the arrays as `.npy` files (`sandbox.wire`). Where `solutions/` is absent, as in the copy an
-instructor gives a class, the tests' `reference` replays them (`Released`). Hidden tests were
-never recorded: without the solutions they cannot run, and say so.
+what the reference returned for each of their calls to `exercises/<assignment>/<id>.expected.zip`
+(`frontends.release.write_expected`): `index.json` (each call's fingerprint and its result,
+encoded as the worker encodes a reply) and the arrays as `.npy` files (`sandbox.wire`). Where
+`solutions/` is absent, as in the copy an instructor gives a class, the tests' `reference`
+replays them (`Released`, here). Hidden tests were never recorded: without the solutions they
+cannot run, and say so.
 """
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
-from autograde import course, solutions
+from autograde import course
 from autograde.cases import Exercise
 from autograde.compare import NOT_RUN
-from autograde.grading.proxies import LearnerFailed, LocalSubmission, Reference, _Proxy, released_fingerprint
+from autograde.grading.proxies import LearnerFailed, Reference, _Proxy, released_fingerprint
 from autograde.sandbox import wire
 from autograde.sandbox.observe import Failure
 
 INDEX = "index.json"
-ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so that the same solutions give the same file
 
 
 def path(exercise: Exercise, exercises: Path | None = None) -> Path:
     return (exercises or course.exercises()) / exercise.assignment / f"{exercise.id}.expected.zip"
-
-
-def record(exercise: Exercise) -> dict[str, Any]:
-    """What the reference returned for each call of the visible tests, by the call's fingerprint,
-    with the solution as the submission (so that every test makes all its calls)."""
-    from autograde.grading.session import Session  # the session runs the tests, which use this module
-
-    reference = Reference(exercise, recording=True)
-    session = Session(exercise, lambda: LocalSubmission(exercise, solutions.namespace(exercise)),
-                      visible_only=True, own_reference=reference)
-    session.run()
-    failed = [result.name for result in session.results.values() if not result.passed]
-    if failed:
-        raise RuntimeError(f"the solution of {exercise.id} fails its visible tests {failed}: nothing released")
-    return reference.recorded
-
-
-def write(exercise: Exercise, exercises: Path | None = None) -> Path:
-    """Record the visible tests' expected values and write them beside the exercise's notebook."""
-    target = path(exercise, exercises)
-    with tempfile.TemporaryDirectory(prefix="autograde-expected-") as scratch:
-        folder, names = Path(scratch), (f"a{index}" for index in itertools.count())
-        index = {key: wire.encode_result(value, folder, names) for key, value in sorted(record(exercise).items())}
-        wire.write_json(folder / INDEX, index)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(target, "w") as archive:
-            for file in sorted(folder.iterdir(), key=lambda p: p.name):
-                archive.writestr(zipfile.ZipInfo(file.name, ZIP_TIME), file.read_bytes(), zipfile.ZIP_DEFLATED)
-    return target
 
 
 def read(file: Path) -> dict[str, Any]:
