@@ -1,7 +1,7 @@
 """The reference implementations: the solution cells of the `solutions/` notebooks.
 
 They are the course's own trusted code, so they run in the grading process itself, in
-float64, behind the tests' `reference` fixture (`proxies.Reference`).
+float64, behind the tests' `reference` fixture (`reference.Reference`).
 """
 
 from __future__ import annotations

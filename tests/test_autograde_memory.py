@@ -19,7 +19,8 @@ import torch
 
 from autograde import registry
 from autograde.cases import Draw
-from autograde.grading.proxies import LocalSubmission, SandboxedSubmission
+from autograde.grading.local import LocalSubmission
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation

@@ -18,7 +18,7 @@ import pytest
 
 from autograde import registry
 from autograde.grading import batch, grade
-from autograde.grading.proxies import SandboxedSubmission
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, syscall_filter
 from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
@@ -215,7 +215,7 @@ from pathlib import Path
 from autograde import registry
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import syscall_filter
-from autograde.grading.proxies import SandboxedSubmission
+from autograde.grading.sandboxed import SandboxedSubmission
 limits = sandbox.Limits(wall_seconds=30, extra_processes=16)
 outcome = SandboxedSubmission(registry.get("sdpa"), [(1, sys.argv[2])], limits, folder=Path(sys.argv[1])).close()
 print(outcome.returncode, outcome.isolation, outcome.note, sep="|")

@@ -372,7 +372,7 @@ TREE_IN_ITS_GROUP = """
 import json, os, sys, tempfile
 from pathlib import Path
 from autograde import registry
-from autograde.grading.proxies import SandboxedSubmission
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.sandbox import client as sandbox, isolation
 group = isolation.CGROUPS / sys.argv[3]
 found = {"unmarked": isolation.delegated_cgroup(), "declared": isolation.delegated_cgroup(declared=True)}

@@ -178,7 +178,7 @@ def driver_in_the_worker() -> str:
     import tempfile
 
     from autograde import registry
-    from autograde.grading.proxies import SandboxedSubmission
+    from autograde.grading.sandboxed import SandboxedSubmission
     from autograde.sandbox import client as sandbox
 
     library = sandbox.driver_library()

@@ -13,7 +13,7 @@ import inspect
 from autograde import registry
 from autograde.cases import Exercise
 from autograde.compare import CaseResult, total
-from autograde.grading.proxies import LocalSubmission
+from autograde.grading.local import LocalSubmission
 from autograde.grading.report import check_text
 from autograde.grading.session import Session, catalogue
 from autograde.submission import forbidden

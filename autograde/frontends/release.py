@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from autograde import course, registry, solutions
 from autograde.cases import Exercise
 from autograde.grading import expected
-from autograde.grading.proxies import LocalSubmission, Reference
+from autograde.grading.local import LocalSubmission
+from autograde.grading.reference import Reference
 from autograde.grading.session import Session, TestInfo, catalogue
 from autograde.sandbox import wire
 

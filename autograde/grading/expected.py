@@ -19,7 +19,8 @@ from typing import Any
 from autograde import course
 from autograde.cases import Exercise
 from autograde.compare import NOT_RUN
-from autograde.grading.proxies import LearnerFailed, Reference, _Proxy, released_fingerprint
+from autograde.grading.proxies import LearnerFailed, Proxy
+from autograde.grading.reference import Reference, released_fingerprint
 from autograde.sandbox import wire
 from autograde.sandbox.observe import Failure
 
@@ -42,7 +43,7 @@ def read(file: Path) -> dict[str, Any]:
         return {key: wire.decode_result(value, folder) for key, value in index.items()}
 
 
-class Released(_Proxy):
+class Released(Proxy):
     """The reference's results for the visible tests' calls, as released with the exercises."""
 
     def __init__(self, exercise: Exercise):
@@ -63,7 +64,7 @@ class Released(_Proxy):
         return self._results[key]
 
 
-def reference_for(exercise: Exercise) -> _Proxy:
+def reference_for(exercise: Exercise) -> Proxy:
     """The solution where the course has it, else the expected values released with the exercises."""
     if course.has_solutions() and (course.solutions() / exercise.notebook).is_file():
         return Reference(exercise)

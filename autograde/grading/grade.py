@@ -1,7 +1,7 @@
 """The grading pipeline for one submitted notebook: load -> verify -> extract -> scan -> test.
 
 The tests are the exercise's pytest module, run in this process (`session.Session`); the
-submission's code only ever runs in the sandboxed worker that `proxies.SandboxedSubmission`
+submission's code only ever runs in the sandboxed worker that `sandboxed.SandboxedSubmission`
 starts, and the tests reach it through calls. `batch.py` grades a class.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from autograde.cases import Exercise, submission_seed, submitter_of
 from autograde.compare import CaseResult, total
-from autograde.grading.proxies import SandboxedSubmission, _Proxy
+from autograde.grading.proxies import Proxy
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import Blocked, Session, catalogue
 from autograde.registry import EXERCISES
 from autograde.sandbox import client as sandbox
@@ -99,7 +100,7 @@ def outside_note(violations: list[forbidden.Violation]) -> tuple[str, ...]:
             + ": outside the graded functions, so not counted (inside them it would cost the exercise)",)
 
 
-def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandbox.Limits()) -> _Proxy:
+def open_notebook(exercise: Exercise, path: Path, limits: sandbox.Limits = sandbox.Limits()) -> Proxy:
     """The `submission` of a plain `pytest --notebook` run: the notebook in a sandboxed worker, or,
     when it cannot run, a submission whose every call fails with the reason."""
     try:

@@ -23,7 +23,8 @@ from autograde import course, registry
 from autograde.cases import Exercise
 from autograde.compare import CaseResult, total
 from autograde.grading import expected
-from autograde.grading.proxies import LearnerFailed, SandboxedSubmission, _Proxy
+from autograde.grading.proxies import LearnerFailed, Proxy
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.sandbox.observe import Failure
 from autograde.submission.forbidden import Violation
 
@@ -46,7 +47,7 @@ class TestInfo:
     uses: tuple[str, ...] = ()
 
 
-class Blocked(_Proxy):
+class Blocked(Proxy):
     """A submission that cannot run (not allowed, unreadable): every call fails with the reason."""
 
     def __init__(self, exercise: Exercise, reason: str):
@@ -62,20 +63,20 @@ class Session:
     """The submission to test, the hidden tests' seed, and the results as pytest reports them."""
 
     exercise: Exercise
-    open_submission: Callable[[], _Proxy] | None  # None: collect the tests without running them
+    open_submission: Callable[[], Proxy] | None  # None: collect the tests without running them
     hidden_seed: int | None = None
     visible_only: bool = False
     results: dict[str, CaseResult] = field(default_factory=dict)
     catalogue: list[TestInfo] = field(default_factory=list)
-    submission: _Proxy | None = None
-    own_reference: _Proxy | None = None  # None: the process's reference for the exercise
+    submission: Proxy | None = None
+    own_reference: Proxy | None = None  # None: the process's reference for the exercise
 
-    def open(self) -> _Proxy:
+    def open(self) -> Proxy:
         if self.submission is None:
             self.submission = self.open_submission()
         return self.submission
 
-    def reference(self) -> _Proxy:
+    def reference(self) -> Proxy:
         return self.own_reference or _reference(self.exercise)
 
     def close(self) -> None:
@@ -114,10 +115,10 @@ def _installed_plugins_left_out():
     return mock.patch.dict(os.environ, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 
 
-_references: dict[str, _Proxy] = {}
+_references: dict[str, Proxy] = {}
 
 
-def _reference(exercise: Exercise) -> _Proxy:
+def _reference(exercise: Exercise) -> Proxy:
     """One per exercise and process: it caches what the solution returned for each call."""
     if exercise.id not in _references:
         _references[exercise.id] = expected.reference_for(exercise)

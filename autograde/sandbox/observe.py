@@ -112,6 +112,20 @@ class Failure:
         return f"{text}, at {self.where}" if self.where else text
 
 
+@dataclass
+class CallCost:
+    """What a call cost the learner's processes, measured `where`: how far it raised their memory
+    (`growth_bytes`), how much of the writable memory they held it read or wrote
+    (`referenced_bytes`), and the CPU time they spent (`cpu_seconds`); or why it could not be
+    measured (`problem`)."""
+
+    where: str
+    growth_bytes: int | None = None
+    referenced_bytes: int = 0
+    cpu_seconds: float | None = None
+    problem: str = ""
+
+
 def observe_tensor(tensor: torch.Tensor) -> TensorValue | OtherValue:
     try:
         data = torch.Tensor.detach(tensor).cpu()

@@ -7,7 +7,7 @@ Run the tests of one exercise on one notebook, as an instructor:
 Without `--notebook` they run on the course's solution; without `--seed` (or $AUTOGRADE_SEED)
 the hidden tests are not run. `-k`, `-x`, `--junitxml` and the rest of pytest work as usual.
 The learner's code runs in a sandboxed worker; this process only sends it calls and reads
-back what they returned (`autograde/grading/proxies.py`).
+back what they returned (`autograde/grading/proxies.py` and the modules beside it).
 
 Markers:
     @pytest.mark.points(1.5)   the test's points (shared equally by its parametrised cases)
@@ -31,7 +31,7 @@ import pytest
 from autograde import misconceptions, registry
 from autograde.cases import Draw, Inputs, submission_seed, submitter_of, test_seed
 from autograde.compare import CaseResult
-from autograde.grading.proxies import LearnerFailed, _Proxy
+from autograde.grading.proxies import LearnerFailed, Proxy
 from autograde.grading.session import (
     SESSIONS_KEY,
     Session,
@@ -175,10 +175,10 @@ def submission(request, exercise):
     return proxy
 
 
-class _Recorded(_Proxy):
+class _Recorded(Proxy):
     """The reference, its calls recorded for the misconceptions a visible test's failure may name."""
 
-    def __init__(self, reference: _Proxy):
+    def __init__(self, reference: Proxy):
         super().__init__(reference.exercise)
         self._reference = reference
 

@@ -30,7 +30,7 @@ import torch
 
 from autograde import rules
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.sandbox.observe import pair
+from autograde.sandbox.observe import CallCost, pair
 from autograde.testing import adapter, assert_rule, assert_same, observed, observed_rows, oracle
 from autograde.tests.test_sdpa import bottom_right_causal
 
@@ -316,7 +316,7 @@ def assert_attention_rows(got: dict, inputs: Inputs, rows: torch.Tensor) -> None
     assert_attention(got, observed({"out": out, "lse": lse}), checked)
 
 
-def assert_whole_scores_kept(peak: rules.CallCost, call: str, inputs: Inputs) -> None:
+def assert_whole_scores_kept(peak: CallCost, call: str, inputs: Inputs) -> None:
     B, H, L, _ = inputs["q"].shape
     problems = rules.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
     if problems:
@@ -503,7 +503,7 @@ def test_work_measured_from_outside(submission, draw):
     """causal, L = S = 4096: CPU time measured from outside your process at most 0.85x that without the mask"""
     submission.forward(work_time_inputs(draw, 2 * WORK_TIME_BLOCK))  # code run for the first time, not measured
     inputs = work_time_inputs(draw)
-    costs: dict[bool, list[rules.CallCost]] = {True: [], False: []}
+    costs: dict[bool, list[CallCost]] = {True: [], False: []}
     for causal in (True, False) * WORK_TIME_CALLS:
         called = with_causal(inputs, causal)
         with submission.cost_measured() as cost:
