@@ -38,7 +38,7 @@ def learner_cells(exercise: registry.Exercise) -> list[str]:
     notebook = nbformat.read(ROOT / "solutions" / exercise.notebook, as_version=4)
     return [cell.source for cell in notebook.cells if cell.cell_type == "code"
             and not cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "").startswith("test-")
-            and "check(" not in cell.source]
+            and not any(line.lstrip().startswith("check(") for line in cell.source.splitlines())]
 
 
 def timed_check(exercise_id: str) -> str:

@@ -16,6 +16,9 @@ from autograde.grading import batch, report
 from autograde.registry import EXERCISES
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
+from tests.site_support import CHROMIUM_ARGS, ensure_chromium
+
+ARTIFACTS = ROOT / "test-artifacts"
 
 pytestmark = [pytest.mark.xdist_group("autograde_cli"), pytest.mark.timeout(600)]
 
@@ -146,6 +149,28 @@ def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_
     failed = {r["test"] for r in csv.DictReader((class_grades.out / "results.csv").open()) if r["status"] == "failed"}
     assert any(f"<td>{test}</td>" in page for test in failed)
     assert f"seed {SEED}" in page
+
+
+def test_the_class_report_reads_in_a_real_browser(class_grades):
+    """report.html in Chromium: no error, both figures drawn and described, the sections in order;
+    a screenshot for a person to look at goes to test-artifacts/."""
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(ensure_chromium()), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda message: message.type == "error" and errors.append(message.text))
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((class_grades.out / "report.html").as_uri(), wait_until="load")
+        images = page.evaluate("[...document.images].map(i => [i.alt, i.naturalWidth, i.naturalHeight])")
+        headings = page.evaluate("[...document.querySelectorAll('h2')].map(h => h.textContent)")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "class-report.png"), full_page=True)
+        browser.close()
+    assert not errors, errors
+    assert len(images) == 2 and all(alt and width > 100 and height > 100 for alt, width, height in images), images
+    assert headings == ["Needs attention", "Scores", "Students", "Tests most often failed", "Slowest notebooks"]
 
 
 def test_one_notebook_gets_a_report_on_the_terminal(class_grades, capsys):

@@ -23,14 +23,14 @@ from autograde.grading.local import LocalSubmission
 from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import isolation
+from autograde.sandbox import isolation, procfs
 from autograde.sandbox.worker import THREAD_STARTED
 from autograde.submission import extract
 from tests.fixtures.implementations import FULL_MATRIX_FORWARD
 from tests.fixtures.notebooks import answer, learner_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.skipif(isolation.status_kib("self", "VmHWM") is None, reason="needs Linux's /proc")]
+              pytest.mark.skipif(procfs.status_kib("self", "VmHWM") is None, reason="needs Linux's /proc")]
 
 MEASURED = "test_whole_scores_measured_from_outside"
 LIMITS = sandbox.Limits(wall_seconds=240)

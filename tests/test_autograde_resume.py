@@ -24,7 +24,7 @@ from autograde.cases import Exercise
 from autograde.grading import batch, journal
 from autograde.grading.grade import GRADED, Grade
 from autograde.registry import EXERCISES
-from autograde.sandbox import isolation
+from autograde.sandbox import cgroups
 from tests.fixtures.notebooks import ROOT, SEED, answer, learner_notebook, write
 
 pytestmark = pytest.mark.timeout(900)
@@ -97,7 +97,7 @@ def submission_groups() -> dict[Path, int]:
     """The control groups of submissions inside this process's own groups (where its graders make
     theirs, as other runs on this machine may): each with the pid of the fork server that made it."""
     found = {}
-    for parent in set(isolation.own_cgroups().values()):
+    for parent in set(cgroups.own_cgroups().values()):
         for group in parent.glob("autograde-*"):
             made_by = re.fullmatch(r"autograde-(\d+)-\d+", group.name)
             if made_by:

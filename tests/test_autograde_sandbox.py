@@ -19,8 +19,8 @@ import pytest
 from autograde import registry
 from autograde.grading import batch, grade
 from autograde.grading.sandboxed import SandboxedSubmission
+from autograde.sandbox import cgroups, isolation, syscall_filter
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import isolation, syscall_filter
 from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.implementations import MHA_WRONG
 from tests.fixtures.notebooks import SEED, answer, learner_notebook, write
@@ -288,7 +288,7 @@ def test_the_memory_limit_holds_for_the_whole_process_tree(tmp_path: Path):
     facts = json.loads((work / "facts.json").read_text())
     # inside the group the grader runs in (v1: in its memory hierarchy; v2: the group it started in)
     groups = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
-    own = groups.get("memory", groups.get("")).removesuffix("/" + isolation.REST).rstrip("/")
+    own = groups.get("memory", groups.get("")).removesuffix("/" + cgroups.REST).rstrip("/")
     assert re.search(rf"^(\d+:memory|0:):{re.escape(own)}/autograde-\d+-\d+$", facts["cgroup"], re.M), \
         (own, facts["cgroup"])
     assert 1 <= facts["held"] <= 3

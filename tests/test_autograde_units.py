@@ -323,7 +323,7 @@ def test_a_grade_for_review_keeps_its_points_and_says_why():
     exercise = exercises.get("sdpa")
     results = (CaseResult("a", 2.0, True, "", ""), CaseResult("b", 3.0, False, "", "", ("wrong",)))
     graded = grade.Grade(exercise, grade.INCOMPLETE, "stopped", results)
-    evidence = [forbidden.Violation("torch._C", "cell 2, line 4: `f = torch._C`")]
+    evidence = [forbidden.Violation("torch._C", "cell 2, line 4: `f = torch._C`").describe()]
     reviewed = grade._for_review(graded, evidence)
     assert (reviewed.status, reviewed.score) == (grade.REVIEW, graded.score) == ("review", 2.0)
     assert reviewed.reason == "uses torch._C (cell 2, line 4: `f = torch._C`); incomplete: stopped"

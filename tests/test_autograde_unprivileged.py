@@ -34,7 +34,7 @@ import pytest
 
 from autograde import registry
 from autograde.grading.grade import UNISOLATED_NOTE
-from autograde.sandbox import isolation, syscall_filter
+from autograde.sandbox import cgroups, syscall_filter
 from autograde.sandbox.client import Limits
 from autograde.sandbox.isolation import CGROUPS
 from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
@@ -374,10 +374,10 @@ from pathlib import Path
 from autograde import registry
 from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.sandbox import client as sandbox, isolation
-group = isolation.CGROUPS / sys.argv[3]
-found = {"unmarked": isolation.delegated_cgroup(), "declared": isolation.delegated_cgroup(declared=True)}
+group = cgroups.CGROUPS / sys.argv[3]
+found = {"unmarked": cgroups.delegated_cgroup(), "declared": cgroups.delegated_cgroup(declared=True)}
 os.setxattr(group, "user.delegate", b"1")  # as systemd's system manager marks a group it delegates
-found["marked"] = isolation.delegated_cgroup()
+found["marked"] = cgroups.delegated_cgroup()
 os.removexattr(group, "user.delegate")
 sandbox.declare_delegated_cgroup()
 folder = Path(tempfile.mkdtemp(dir=sys.argv[1]))
@@ -427,7 +427,7 @@ def test_a_delegated_control_group_bounds_each_submissions_tree_without_root(set
                     reason="cgroup v2 here: the test above checks why a group is not taken")
 def test_a_control_group_declared_delegated_under_cgroup_v1_is_refused_with_the_reason(setting: Setting):
     """`grade --delegated-cgroup` on a cgroup v1 machine: the grader says why no notebook gets a group."""
-    assert isolation.delegated_cgroup(declared=True) == (None, "cgroup v1: no group is delegated to a user")
+    assert cgroups.delegated_cgroup(declared=True) == (None, "cgroup v1: no group is delegated to a user")
     said = _run([*AS_NOBODY, setting.python, "-c", "from autograde.frontends import cli; "
                  "print(cli.delegated_cgroup_usable())"], cwd=setting.course, env={"PYTHONPATH": str(setting.course)})
     assert said.stdout.strip() == "False", said.stderr[-2000:]

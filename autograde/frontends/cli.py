@@ -12,8 +12,8 @@ from autograde import course, registry
 from autograde.frontends import gradescope, release
 from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
 from autograde.grading import batch, class_report, grade, journal, merge, provenance, report
+from autograde.sandbox import cgroups, isolation
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import isolation
 from autograde.submission import notebook
 
 
@@ -138,7 +138,7 @@ def delegated_cgroup_usable() -> bool:
     notebook; where not, says why, loudly, and grading goes on without (the namespaces stand)."""
     if os.getuid() == 0:
         return True  # root makes its groups where it likes
-    group, why = isolation.delegated_cgroup(declared=True)
+    group, why = cgroups.delegated_cgroup(declared=True)
     if group is None:
         print(f"\n*** --delegated-cgroup: {why}. No notebook gets a cgroup of its own. ***\n", file=sys.stderr)
     return group is not None

@@ -139,18 +139,20 @@ def grade_notebook(path: Path, exercise: Exercise, seed: int,
         submission_seed(seed, submitter_of(path) if submitter is None else submitter))
     code = session.run()
     graded = _grade(session, limits, code)
-    evidence = forbidden.review([(cell.label, cell.source) for cell in cells], exercise)
+    evidence = [violation.describe() for violation in forbidden.review([(c.label, c.source) for c in cells], exercise)]
+    evidence += session.submission.reviews if session.submission is not None else []
     return _for_review(Grade(exercise, graded.status, graded.reason, graded.results, graded.notes + changed,
                              graded.isolation), evidence)
 
 
-def _for_review(graded: Grade, evidence: list[forbidden.Violation]) -> Grade:
-    """A counted grade whose graded code reaches into torch's internals: the points stand, and a
+def _for_review(graded: Grade, evidence: list[str]) -> Grade:
+    """A counted grade whose graded code reaches into torch's internals, or whose tests found what
+    the contract allows but a rule's intent may not (`Proxy.for_review`): the points stand, and a
     person decides whether it went around a rule (the tripwire and the rules are advisory)."""
     if not evidence or not graded.counted:
         return graded
     before = graded.reason if graded.status == GRADED else f"{graded.status}: {graded.reason}"
-    reason = "; ".join(filter(None, [*(v.describe() for v in evidence), before]))
+    reason = "; ".join(filter(None, [*evidence, before]))
     return dataclasses.replace(graded, status=REVIEW, reason=reason)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from autograde.cases import Exercise
 from autograde.grading.proxies import LearnerFailed, Proxy, describe_arguments
-from autograde.sandbox import isolation
+from autograde.sandbox import procfs
 from autograde.sandbox.calls import LearnerCalls
 from autograde.sandbox.observe import CallCost, failure_from, observe
 from autograde.sandbox.tripwire import Tripwire
@@ -41,8 +41,8 @@ class LocalSubmission(Proxy):
         a long-lived kernel, an honest call's allocations reuse more and more pages of its heap."""
         cost = CallCost("measured in your own kernel; the grader measures it from outside")
         try:
-            isolation.reset_peak_memory("self")
-            start, read_peak = isolation.status_kib("self", "VmRSS") * 1024, _peak_since_reset
+            procfs.reset_peak_memory("self")
+            start, read_peak = procfs.status_kib("self", "VmRSS") * 1024, _peak_since_reset
         except OSError:
             start, read_peak = _peak_so_far(), _peak_so_far
         cpu = time.process_time()
@@ -63,7 +63,7 @@ class LocalSubmission(Proxy):
 
 
 def _peak_since_reset() -> int:
-    return isolation.status_kib("self", "VmHWM") * 1024
+    return procfs.status_kib("self", "VmHWM") * 1024
 
 
 def _peak_so_far() -> int:

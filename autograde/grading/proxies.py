@@ -51,6 +51,7 @@ class Proxy:
         self.seconds = 20.0  # the current test's limit for one call
         self.test = ""  # the current test's name
         self.log: list[str] = []  # the calls of the current test, described
+        self.reviews: list[str] = []  # what the tests found for a person to look at (`for_review`)
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name not in self.names:
@@ -60,6 +61,12 @@ class Proxy:
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+    def for_review(self, reason: str) -> None:
+        """A test's finding that costs no points but asks for a person's look (the grade's status
+        becomes `review`): code the contract allows that may go around a rule's intent."""
+        if reason not in self.reviews:
+            self.reviews.append(reason)
 
     def cost_measured(self) -> contextlib.AbstractContextManager[CallCost]:
         """`with proxy.cost_measured() as cost:` the calls inside raise the learner's memory by

@@ -9,6 +9,7 @@ use both through this package's names.
 from autograde.rules.judge import (
     Rule,
     by_hand,
+    keys_in_blocks,
     launched,
     memory,
     reductions,
@@ -19,5 +20,5 @@ from autograde.rules.judge import (
 )
 from autograde.rules.measure import AutogradRecorded, Footprint, Reductions, TritonLaunches, saved_for_backward
 
-__all__ = ["AutogradRecorded", "Footprint", "Reductions", "Rule", "TritonLaunches", "by_hand", "launched", "memory",
-           "reductions", "saved", "saved_for_backward", "whole_scores", "work", "work_time"]
+__all__ = ["AutogradRecorded", "Footprint", "Reductions", "Rule", "TritonLaunches", "by_hand", "keys_in_blocks",
+           "launched", "memory", "reductions", "saved", "saved_for_backward", "whole_scores", "work", "work_time"]

@@ -8,7 +8,7 @@ limit is read from the reference's observations (the same adapter computes it fr
 inputs), never from the process that ran the learner's code. `whole_scores` and `work_time`
 judge what the fork server measured from outside the learner's processes: how far their memory
 rose during a call, what they read or wrote of the memory they held, and the CPU time they spent
-(`sandbox.server._CostWatch`), which also sees a process start or end.
+(`sandbox.cost.CostWatch`), which also sees a process start or end.
 """
 
 from __future__ import annotations
@@ -203,3 +203,24 @@ def reductions(function: str) -> tuple[Rule, str, str]:
                 "updated block by block, never a max or a sum over the whole row."]
 
     return Rule("block", (widest,), judge), widest, limit
+
+
+def keys_in_blocks(function: str) -> tuple[Callable[[dict, dict], str | None], str, str]:
+    """A tiled forward reads the keys one block at a time: no reduction combines more values than
+    a block of keys or a head's width. The contract bounds the memory, not this, so a forward that
+    reduces over every key at once (attention computed a few query rows at a time, with no online
+    softmax) keeps its points and is sent for review: `(finding, widest_key, limit_key)`, where
+    `finding(expected, got)` is the reason to review, or None."""
+    widest = f"most values one reduction combined during {function}"
+    limit = "max(block_k, head dimension)"
+
+    def finding(expected: dict, got: dict) -> str | None:
+        measured, allowed = got.get(widest), expected[limit]
+        if not _number(measured) or measured <= allowed:
+            return None
+        return (f"{function} combined {measured:,} values in one reduction ({got.get(widest + ' (call)', 'one')}), "
+                f"more than a block of keys or a head's width ({allowed:,}): it may compute attention over every "
+                "key at once, a few query rows at a time, where the exercise reads the keys block by block "
+                "with an online softmax")
+
+    return finding, widest, limit

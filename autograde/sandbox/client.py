@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping
 
-from autograde.sandbox import isolation
+from autograde.sandbox import cgroups, isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 # The signals that stop a run are the grader's to act on (server.py), from before the server imports torch.
@@ -105,14 +105,14 @@ def gpu_environment() -> dict[str, str]:
 
 
 def _declared_delegation() -> dict[str, str]:
-    name = isolation.DELEGATED_VARIABLE
+    name = cgroups.DELEGATED_VARIABLE
     return {name: os.environ[name]} if name in os.environ else {}
 
 
 def declare_delegated_cgroup() -> None:
     """The group this run started in is delegated to its user (`grade --delegated-cgroup`): each
     submission gets a group in it. Before the fork server starts, which reads it."""
-    os.environ[isolation.DELEGATED_VARIABLE] = "1"
+    os.environ[cgroups.DELEGATED_VARIABLE] = "1"
 
 
 def driver_library() -> str | None:
@@ -341,7 +341,7 @@ class Running:
 
     def watch_cost(self, phase: str) -> dict:
         """`start`, then `stop`: what its processes spent in between, measured by the fork server
-        (server.py, `_CostWatch`): `growth_bytes` of peak memory, `cpu_seconds`, and how many
+        (`cost.CostWatch`): `growth_bytes` of peak memory, `cpu_seconds`, and how many
         processes `ended` or `started` meanwhile; or `error`, where it could not be measured."""
         return self._server._ask({"cost": phase, "job": self._ident})
 

@@ -10,7 +10,7 @@ grader's worker, and nothing of any submission. Each request (a JSON line on std
   process*, which runs `worker.main` under an unprivileged uid with resource limits;
 - `userns`, without root or without CAP_SYS_ADMIN, where the kernel allows user namespaces: the
   supervisor forks a process that joins the cgroup (as root; without root, where a group is
-  delegated to the user: `isolation.take_delegated_cgroup`), as root takes the submission's
+  delegated to the user: `cgroups.take_delegated_cgroup`), as root takes the submission's
   uid, enters a new user namespace and, owned by it, the same namespaces, and forks the first
   process of the PID namespace, which goes on as above; the submission's process drops every
   capability instead of changing uid;
@@ -24,7 +24,7 @@ user namespace of its own), where it mounts each job's scratch folder as a tmpfs
 when the grader asks (a `mount` request; `unmount` afterwards): the grader reaches it through
 `/proc/<server>/root`, and each submission's root, made from a copy of this namespace, binds it.
 
-The groups are made inside the grader's own (`isolation.submission_cgroup_parents`), so that a
+The groups are made inside the grader's own (`cgroups.submission_cgroup_parents`), so that a
 job's limits (Slurm's, a systemd unit's) bound its notebooks too, and named after the server, which
 removes those of its jobs when it stops, and at its start those of servers that are gone.
 
@@ -34,7 +34,7 @@ the grader to decide, which then stops the server by closing its requests. The s
 process takes the default actions back.
 
 The grader may also ask what one call cost a job's processes, their peak memory and CPU time
-(`cost` requests: `_CostWatch`), which the server measures from here, outside them.
+(`cost` requests: `cost.CostWatch`), which the server measures from here, outside them.
 
 In every mode the supervisor is a child subreaper: whatever the tree orphans becomes its child,
 and it kills and reaps every one before it reports.
@@ -66,11 +66,11 @@ import torch._dynamo  # noqa: F401  (torch imports it on first use of many funct
 import torch.utils.flop_counter  # noqa: F401
 import triton  # noqa: F401
 
-from autograde.sandbox import isolation, syscall_filter, worker
+from autograde.sandbox import cgroups, cost, isolation, procfs, syscall_filter, worker
 
 # Where each submission gets a group of its own: as root, inside the groups the grader runs in
-# (`isolation.submission_cgroup_parents`); without root, the version-2 group delegated to the
-# grader's user, where one is (`isolation.take_delegated_cgroup`); None: no group.
+# (`cgroups.submission_cgroup_parents`); without root, the version-2 group delegated to the
+# grader's user, where one is (`cgroups.take_delegated_cgroup`); None: no group.
 _CGROUP_PARENTS: dict[str, Path] | None = None
 _NO_CGROUP = ""  # as root, why no submission gets a group
 
@@ -160,7 +160,7 @@ def _run_submission(request: dict, mode: str) -> None:
             os._exit(70)
 
 
-def _contain(request: dict, mode: str, group: isolation.Cgroup | None, status_pipe: int) -> None:
+def _contain(request: dict, mode: str, group: cgroups.Cgroup | None, status_pipe: int) -> None:
     """The first process of the new PID namespace: set up the private root filesystem, start
     the submission's process, wait for it, and write its wait status. Never returns.
 
@@ -200,7 +200,7 @@ def _wait(pid: int, deadline: float) -> int | None:
         time.sleep(0.01)
 
 
-def _kill_all(first: int, uid: int | None, group: isolation.Cgroup | None) -> None:
+def _kill_all(first: int, uid: int | None, group: cgroups.Cgroup | None) -> None:
     """Whatever the submission started, wherever it went: its cgroup's processes, its process
     group, and every process of its uid; until none is left (a fork may race a kill)."""
     try:
@@ -219,7 +219,7 @@ def _kill_all(first: int, uid: int | None, group: isolation.Cgroup | None) -> No
         time.sleep(0.01)
 
 
-def _enter_user_namespace(request: dict, group: isolation.Cgroup | None, status_pipe: int,
+def _enter_user_namespace(request: dict, group: cgroups.Cgroup | None, status_pipe: int,
                           mapped: tuple[int, int] | None) -> None:
     """Between the supervisor and the PID namespace: enter a user namespace and, owned by it, the
     others; fork their first process; end as it ends. Never returns.
@@ -289,7 +289,7 @@ def _supervise(request: dict, report: int) -> None:
     if _CGROUP_PARENTS is not None:
         limits = request["limits"]
         try:  # named after the fork server too, which removes it if this supervisor is killed
-            group = isolation.Cgroup(f"autograde-{os.getppid()}-{os.getpid()}", limits["memory_bytes"],
+            group = cgroups.Cgroup(f"autograde-{os.getppid()}-{os.getpid()}", limits["memory_bytes"],
                                      limits["extra_processes"] + 3, limits["cpus"], _CGROUP_PARENTS)
         except OSError as exc:
             notes.append(f"no cgroup ({exc})")
@@ -338,42 +338,12 @@ def _supervise(request: dict, report: int) -> None:
     os._exit(0)
 
 
-def _children(parent: int | None = None) -> list[int]:
-    """The children of `parent` (by default this process), those of any of its threads."""
-    parent = os.getpid() if parent is None else parent
-    try:
-        return [int(pid) for task in Path(f"/proc/{parent}/task").iterdir()
-                for pid in (task / "children").read_text().split()]
-    except FileNotFoundError:
-        if not Path(f"/proc/{parent}").exists():  # it has ended
-            return []
-    except OSError:
-        pass
-    found = []  # a kernel without those files: look for them
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
-
-
-def _descendants(parent: int) -> list[int]:
-    found, waiting = [], _children(parent)
-    while waiting:
-        pid = waiting.pop()
-        found.append(pid)
-        waiting += _children(pid)
-    return found
-
-
 def _kill_descendants() -> None:
     """Kill and reap every process handed to the supervisor, until none is left. As a subreaper it
     inherits whatever the submission's tree orphans (daemons included), in every mode; in a PID
     namespace, reaping its first process means the kernel has killed every other one."""
     while True:
-        for pid in _children():
+        for pid in procfs.children():
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -416,87 +386,18 @@ def _mount(request: dict) -> dict:
         return {"error": str(exc)}
 
 
-def _cpu_ticks(pid: int) -> tuple[int, int] | None:
-    """The CPU time of `pid` (utime + stime in /proc/<pid>/stat: all its threads, ended ones too)
-    and of the children it has reaped (cutime + cstime), in ticks; None once it has gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class _CostWatch:
-    """What one call cost a job's processes, measured from here, outside them: their peak memory
-    and their CPU time.
-
-    `begin`: for every process of the job (each descendant of its supervisor), the peak resident
-    size the kernel keeps (VmHWM) is reset to what it holds now, the referenced bits of its pages
-    cleared, and its CPU time read. `end`: how far each peak rose above that, the writable memory
-    each read or wrote (a buffer held from before the call raises no peak), and the CPU time
-    spent, each summed; and whether a process
-    started or ended meanwhile, which would take its memory and time out of the sums: a process
-    that is there at the end but not at the start, one that is gone, or a child reaped in between
-    (the CPU time of reaped children grew; a process doing the work of a call runs for more than a
-    tick). Honest code starts no process during a call."""
-
-    def __init__(self, supervisor: int):
-        self.supervisor = supervisor
-        self.start: dict[int, tuple[int, tuple[int, int]]] = {}  # pid -> (resident kB, CPU ticks)
-
-    def begin(self) -> None:
-        for pid in _descendants(self.supervisor):
-            isolation.reset_peak_memory(pid)
-            resident, ticks = isolation.status_kib(pid, "VmRSS"), _cpu_ticks(pid)
-            if resident is not None and ticks is not None:
-                self.start[pid] = (resident, ticks)
-
-    def end(self) -> dict:
-        growth, referenced, ticks, ended = 0, 0, 0, 0
-        for pid, (resident, (own, children)) in self.start.items():
-            peak, now = isolation.status_kib(pid, "VmHWM"), _cpu_ticks(pid)
-            if peak is None or now is None or now[1] != children:
-                ended += 1
-            else:
-                growth += max(0, peak - resident)
-                referenced += isolation.referenced_writable_kib(pid)
-                ticks += now[0] - own
-        started = len(set(_descendants(self.supervisor)) - set(self.start))
-        return {"growth_bytes": growth * 1024, "referenced_bytes": referenced * 1024,
-                "cpu_seconds": ticks / os.sysconf("SC_CLK_TCK"), "ended": ended, "started": started}
-
-
-def _watch_cost(request: dict, running: dict[int, tuple[str, int]], watches: dict[str, _CostWatch]) -> dict:
-    """A `memory` request (`start` or `stop`) for the job `request["job"]`."""
-    job = request["job"]
-    try:
-        if request["cost"] == "start":
-            supervisor = next((pid for pid, (ident, _) in running.items() if ident == job), None)
-            if supervisor is None:
-                return {"error": "its processes have ended"}
-            watches[job] = _CostWatch(supervisor)
-            watches[job].begin()
-            return {"watching": len(watches[job].start)}
-        if job not in watches:
-            return {"error": "it was not being measured"}
-        return watches.pop(job).end()
-    except OSError as exc:  # a process the grader may not measure (one that made itself undumpable, say)
-        watches.pop(job, None)
-        return {"error": str(exc)}
-
-
 def _prepare_cgroups() -> None:
     """Before the first job (and before this server enters a user namespace): find where the
     submissions' groups go (see `_CGROUP_PARENTS`), and remove the groups that a grader killed
     before its fork server could clean up left there."""
     global _CGROUP_PARENTS, _NO_CGROUP
     if os.getuid() != 0:  # why not, where declared, the grader said when it started (`cli.py`)
-        delegated, _ = isolation.take_delegated_cgroup(os.environ.get(isolation.DELEGATED_VARIABLE) == "1")
+        delegated, _ = cgroups.take_delegated_cgroup(os.environ.get(cgroups.DELEGATED_VARIABLE) == "1")
         _CGROUP_PARENTS = None if delegated is None else {"": delegated}
     else:
-        _CGROUP_PARENTS, _NO_CGROUP = isolation.submission_cgroup_parents()
+        _CGROUP_PARENTS, _NO_CGROUP = cgroups.submission_cgroup_parents()
     if _CGROUP_PARENTS is not None:
-        isolation.remove_submission_groups(_CGROUP_PARENTS)
+        cgroups.remove_submission_groups(_CGROUP_PARENTS)
 
 
 def _stop_every_job(running: dict[int, tuple[str, int]]) -> None:
@@ -513,7 +414,7 @@ def _stop_every_job(running: dict[int, tuple[str, int]]) -> None:
         except ChildProcessError:
             pass
     if _CGROUP_PARENTS is not None:
-        isolation.remove_submission_groups(_CGROUP_PARENTS, server=os.getpid())
+        cgroups.remove_submission_groups(_CGROUP_PARENTS, server=os.getpid())
 
 
 def serve() -> None:
@@ -522,7 +423,7 @@ def serve() -> None:
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
     torch.set_num_threads(1)
     running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
-    watches: dict[str, _CostWatch] = {}  # request id -> its call's memory, while measured
+    watches: dict[str, cost.CostWatch] = {}  # request id -> its call's memory, while measured
     pending = b""
     _prepare_cgroups()
     replies.write(json.dumps({"ready": os.getpid(), "mounts": _own_mount_namespace()}) + "\n")
@@ -540,7 +441,7 @@ def serve() -> None:
                 if "mount" in request or "unmount" in request:
                     replies.write(json.dumps({"id": request["id"], **_mount(request)}) + "\n")
                 elif "cost" in request:
-                    replies.write(json.dumps({"id": request["id"], **_watch_cost(request, running, watches)}) + "\n")
+                    replies.write(json.dumps({"id": request["id"], **cost.watch(request, running, watches)}) + "\n")
                 else:
                     _start(request, running)
         _reap(running, replies)

@@ -134,7 +134,7 @@ def main(folder: Path) -> None:
             failed_cells.append([number, failure.kind, failure.type_name, failure.message, failure.where])
     # Objects made so far are left out of later collections: a full one during a call would read
     # every page holding them (170 MiB with torch imported), which the fork server counts as memory
-    # the call touched (`server._CostWatch`).
+    # the call touched (`cost.CostWatch`).
     gc.freeze()
     channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     channel.connect("channel.sock")
