@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from autograde.sandbox.isolation import CGROUPS
+from autograde.sandbox.cgroups import CGROUPS
 from tests import debian_packages
 from tests.fixtures.notebooks import ROOT
 

@@ -23,7 +23,7 @@ from autograde.grading.local import LocalSubmission
 from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
-from autograde.sandbox import isolation, procfs
+from autograde.sandbox import procfs
 from autograde.sandbox.worker import THREAD_STARTED
 from autograde.submission import extract
 from tests.fixtures.implementations import FULL_MATRIX_FORWARD
@@ -308,7 +308,7 @@ def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
     def no_proc(pid):
         raise FileNotFoundError(2, "No such file or directory")
 
-    monkeypatch.setattr(isolation, "reset_peak_memory", no_proc)
+    monkeypatch.setattr(procfs, "reset_peak_memory", no_proc)
     with LocalSubmission(registry.get("flash_forward"), {}).cost_measured() as peak:
         kept = torch.ones(2**25)
     assert kept.sum() == 2**25

@@ -35,8 +35,8 @@ import pytest
 from autograde import registry
 from autograde.grading.grade import UNISOLATED_NOTE
 from autograde.sandbox import cgroups, syscall_filter
+from autograde.sandbox.cgroups import CGROUPS
 from autograde.sandbox.client import Limits
-from autograde.sandbox.isolation import CGROUPS
 from tests.fixtures.attacks import FILL_MEMORY_FROM_SIX_PROCESSES
 from tests.fixtures.notebooks import ROOT, SEED
 
