@@ -41,10 +41,11 @@ class Misconception:
 # Wrong versions made from the solution's functions.
 
 def _queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
-    """Attention whose scores are scaled by 1/√d times `factor(d)` (the solution divides by √d)."""
+    """Attention whose scores are scaled by 1/√d times `factor(d)` (the solution divides by √d): any
+    attention function whose first argument is q, its other arguments passed as they come."""
     def wrong(attention):
-        def scaled(q, k, v, mask=None):
-            return attention(q * factor(q.shape[-1]), k, v, mask)
+        def scaled(q, *arguments, **options):
+            return attention(q * factor(q.shape[-1]), *arguments, **options)
         return scaled
     return wrong
 
@@ -209,14 +210,6 @@ def _default_base(apply_rope):
     return default
 
 
-def _flash_queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
-    def wrong(forward):
-        def scaled(q, k, v, causal=False, block_q=64, block_k=64):
-            return forward(q * factor(q.shape[-1]), k, v, causal, block_q, block_k)
-        return scaled
-    return wrong
-
-
 def _flash_top_left(forward):
     def top_left(q, k, v, causal=False, block_q=64, block_k=64):
         if causal and k.shape[-2] > q.shape[-2]:  # query i sees keys 0 .. i: the first L keys, bottom-right
@@ -252,14 +245,6 @@ def _flash_backward_top_left(backward):
         rest = torch.zeros_like(k[..., length:, :])
         return dq, torch.cat([dk, rest], dim=-2), torch.cat([dv, rest], dim=-2)
     return top_left
-
-
-def _triton_queries_scaled(factor: Callable[[int], float]) -> Callable[[Callable], Callable]:
-    def wrong(attention):
-        def scaled(q, k, v, causal=False):
-            return attention(q * factor(q.shape[-1]), k, v, causal)
-        return scaled
-    return wrong
 
 
 def _triton_top_left(attention):
@@ -317,6 +302,10 @@ def _sink_in_the_numerator(attention):
         return out + (1 - kept)
     return numerator
 
+
+# What the flash exercises' outputs may equal, said the same for the forward in PyTorch and in Triton.
+SCALED_BY_D, NOT_SCALED = "attention scaled by 1/d instead of 1/√d", "attention without the 1/√d scaling"
+TOP_LEFT = "a causal mask aligned top-left (key j <= query i) instead of bottom-right (j <= i + S - L)"
 
 MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("sdpa", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
@@ -388,12 +377,11 @@ MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("paged_kv", "at-last-cached-position", "the new token written at position seq_lens[b] - 1, over "
                                                          "the last cached token, instead of at seq_lens[b]",
                   {"append_to_paged_cache": _at_last_cached_position}),
-    Misconception("flash_forward", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
-                  {"flash_attention_forward": _flash_queries_scaled(lambda d: 1 / math.sqrt(d))}),
-    Misconception("flash_forward", "not-scaled", "attention without the 1/√d scaling",
-                  {"flash_attention_forward": _flash_queries_scaled(math.sqrt)}),
-    Misconception("flash_forward", "top-left-causal", "a causal mask aligned top-left (key j <= query i) instead "
-                                                      "of bottom-right (j <= i + S - L)",
+    Misconception("flash_forward", "scaled-by-d", SCALED_BY_D,
+                  {"flash_attention_forward": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("flash_forward", "not-scaled", NOT_SCALED,
+                  {"flash_attention_forward": _queries_scaled(math.sqrt)}),
+    Misconception("flash_forward", "top-left-causal", TOP_LEFT,
                   {"flash_attention_forward": _flash_top_left}),
     Misconception("flash_backward", "gradients-not-scaled", "dq and dk without the 1/√d scaling: the scores are "
                                                             "scale * q k^T, so dS reaches q and k times the scale",
@@ -405,12 +393,11 @@ MISCONCEPTIONS: tuple[Misconception, ...] = (
     Misconception("flash_backward", "top-left-causal", "a backward whose causal mask is aligned top-left (key "
                                                        "j <= query i) instead of bottom-right (j <= i + S - L)",
                   {"flash_attention_backward": _flash_backward_top_left}),
-    Misconception("flash_triton", "scaled-by-d", "attention scaled by 1/d instead of 1/√d",
-                  {"flash_attention_triton": _triton_queries_scaled(lambda d: 1 / math.sqrt(d))}),
-    Misconception("flash_triton", "not-scaled", "attention without the 1/√d scaling",
-                  {"flash_attention_triton": _triton_queries_scaled(math.sqrt)}),
-    Misconception("flash_triton", "top-left-causal", "a causal mask aligned top-left (key j <= query i) instead "
-                                                     "of bottom-right (j <= i + S - L)",
+    Misconception("flash_triton", "scaled-by-d", SCALED_BY_D,
+                  {"flash_attention_triton": _queries_scaled(lambda d: 1 / math.sqrt(d))}),
+    Misconception("flash_triton", "not-scaled", NOT_SCALED,
+                  {"flash_attention_triton": _queries_scaled(math.sqrt)}),
+    Misconception("flash_triton", "top-left-causal", TOP_LEFT,
                   {"flash_attention_triton": _triton_top_left}),
     Misconception("mla", "other-layout", "RoPE rotating the pairs of the other layout (interleaved (0, 1), (2, 3) "
                                          "against the two halves (i, i + d/2))",
