@@ -13,7 +13,9 @@ class through the sandboxed worker.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import math
 import subprocess
 import sys
@@ -384,6 +386,16 @@ def test_attention_by_query_chunks_keeps_its_points_and_is_sent_for_review(seed)
     assert (seed, failed(results) - {"whole-scores-measured-from-outside", "work-measured-from-outside"}) == (
         seed, set())
     assert len(reviews) == 1 and reviews[0].startswith("flash_attention_forward combined 160 values in one "), reviews
+
+
+def test_check_tells_the_learner_what_goes_to_review():
+    namespace = run_cells(learner_notebook("flash_forward", {"flash_attention_forward": QUERY_CHUNKED_FORWARD}))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        self_check.check("flash_forward", "flash_attention_forward", namespace)
+    notes = [line for line in printed.getvalue().splitlines() if line.startswith("note for review: ")]
+    assert notes and notes[0].startswith("note for review: flash_attention_forward combined 160 values"), notes
+    assert "FAIL" not in printed.getvalue()
 
 
 @pytest.mark.slow
