@@ -73,6 +73,13 @@ class Grading:
         path = self.out / "feedback" / f"{student}.md"
         return path.read_text(errors="replace") if path.is_file() else ""
 
+    def case_results(self, student: str, exercise: str = "sdpa") -> dict[str, tuple[float, bool]]:
+        """Each test's points earned and whether it passed, a parametrised test's every case, from
+        results.csv (the feedback folds a parametrised test's cases into one row)."""
+        with open(self.out / "results.csv", newline="") as results:
+            return {r["test"]: (float(r["points"]), r["status"].startswith("passed")) for r in csv.DictReader(results)
+                    if student_of(r["student"]) == student and r["exercise"] == exercise}
+
 
 @dataclasses.dataclass(frozen=True)
 class Attacked:
@@ -199,15 +206,6 @@ def test_nobody_gets_points_for_an_exercise_they_did_not_hand_in(attacked):
                 assert row["status"] in ("missing", "invalid") and float(row["score"]) == 0, row
 
 
-def case_results(feedback: str, exercise: str = "sdpa") -> dict[str, tuple[float, bool]]:
-    """Each test's points earned and whether it passed, from the exercise's table in the feedback."""
-    section = feedback.split(f"\n## {exercise}:", 1)[-1].split("\n## ", 1)[0]
-    found = {}
-    for match in re.finditer(r"^\| (.+?)(?: \(hidden\))? \| ([\d.]+) / [\d.]+ \| ([^|]+) \|$", section, re.M):
-        found[match[1]] = (float(match[2]), match[3].strip().startswith("passed"))
-    return found
-
-
 def markers(text: str, marker: str) -> list[str]:
     return [line.strip()[:300] for line in text.splitlines() if marker in line]
 
@@ -230,9 +228,9 @@ def test_each_submission_gets_what_its_honest_part_earned(attacked, submission):
     assert not keywords or any(k in text for k in keywords), \
         f"{about}: the reason or feedback should say one of {keywords}: {row['reason']!r}"
     if expect.hidden_lost:
-        results = case_results(feedback)
+        results = attacked.grading.case_results(submission.student)
         hidden = [c.name for c in catalogue(EXERCISE) if not c.visible]
-        assert set(hidden) <= set(results), f"{about}: the feedback lacks hidden tests: {sorted(results)}"
+        assert set(hidden) <= set(results), f"{about}: results.csv lacks hidden tests: {sorted(results)}"
         assert not [name for name in hidden if results[name][1]], f"{about}: hidden tests passed: {results}"
 
 
@@ -278,7 +276,7 @@ def test_unseeded_randomness_gets_the_same_grade_in_two_runs(attacked):
     assert second.returncode == 0, second.problem()
     rows = [(r["status"], r["score"]) for r in (first.row("rolls-dice"), second.row("rolls-dice"))]
     assert rows[0] == rows[1], f"two runs with seed {SEED}: {rows}"
-    results = [case_results(g.feedback("rolls-dice")) for g in (first, second)]
+    results = [g.case_results("rolls-dice") for g in (first, second)]
     assert results[0] == results[1] and len(results[0]) == len(catalogue(EXERCISE)), results
 
 

@@ -4,6 +4,7 @@ calls observed as the worker observes them, rules measured in the same process (
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import resource
 import sys
 import time
@@ -40,6 +41,7 @@ class LocalSubmission(Proxy):
         Not the memory read or written, which the sandbox counts in a worker made for one notebook: in
         a long-lived kernel, an honest call's allocations reuse more and more pages of its heap."""
         cost = CallCost("measured in your own kernel; the grader measures it from outside")
+        _free_heap_returned()
         try:
             procfs.reset_peak_memory("self")
             start, read_peak = procfs.status_kib("self", "VmRSS") * 1024, _peak_since_reset
@@ -60,6 +62,16 @@ class LocalSubmission(Proxy):
                 return observe(self._calls(name, args, kwargs))
         except Exception as exc:
             raise LearnerFailed(failure_from(exc)) from None
+
+
+def _free_heap_returned() -> None:
+    """Give the C library's free heap back to the system (glibc's `malloc_trim`), so that the call's
+    allocations raise the resident size instead of reusing pages freed by earlier work in this
+    long-lived process, which would hide them from the peak. Elsewhere (macOS, musl) nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def _peak_since_reset() -> int:
