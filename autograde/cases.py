@@ -1,7 +1,8 @@
 """The vocabulary of the exercise definitions: exercises, test cases, their inputs and seeds.
 
 An exercise is data: where its notebook is, the names it must define, the functions it may
-not call. Its tests are a pytest module, `autograde/tests/test_<id>.py`, which draws its
+not call. It is defined in `autograde/exercises/<id>.py`, with the calls its tests make on a
+submission; its tests are a pytest module, `autograde/tests/test_<id>.py`, which draws its
 inputs with `Draw` from a seed (`test_seed`) and passes them around as `Inputs`.
 """
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autograde.cases import TOLERANCE
-from autograde.sandbox.observe import OtherValue, TensorValue
+from autograde.observe import OtherValue, TensorValue
 
 NOT_RUN = "not run: "
 FLOAT32_HINT = "computed in float32? the contract asks float64 for float64 inputs"

@@ -26,7 +26,7 @@ import torch
 
 from autograde import course, solutions
 from autograde.cases import float_copy
-from autograde.sandbox.observe import TensorValue
+from autograde.observe import TensorValue
 
 
 @dataclass(frozen=True, eq=False)
@@ -498,7 +498,7 @@ def diagnose(got: Any, expected: Any, differences: Callable[[Any, Any], list[str
     recorder = _recording.get()
     if recorder is None or not recorder.calls or not course.has_solutions():
         return None
-    from autograde.sandbox.observe import observe
+    from autograde.observe import observe
 
     for misconception in of(recorder.exercise_id):
         leaves: dict[int, TensorValue] = {}

@@ -1,9 +1,10 @@
-"""What an exercise's test module uses: adapters, seeded inputs, and assertions that say what differs.
+"""What an exercise's test module uses: seeded inputs, oracles, and assertions that say what differs.
 
-A test module (`autograde/tests/test_<id>.py`) defines its `EXERCISE`, the `@adapter`
-functions that make calls on the learner's functions, and plain pytest test functions. A
+An exercise's definition (`autograde/exercises/<id>.py`) holds its `Exercise` and the `@adapter`
+functions that make calls on the learner's functions (`autograde.adapters`); its test module
+(`autograde/tests/test_<id>.py`) holds plain pytest test functions and the inputs they draw. A
 test gets three fixtures (`autograde/tests/conftest.py`): `submission` and `reference`, which
-expose the exercise's functions and the module's adapters by name, and `draw`, seeded inputs.
+expose the exercise's functions and its adapters by name, and `draw`, seeded inputs.
 A call on `submission` runs in the learner's sandboxed process when a notebook is graded, and
 comes back as observations: `TensorValue` for tensors, plain values as they are, `OtherValue`
 for anything else, dicts, lists and tuples of these. `reference` gives the same observations
@@ -15,30 +16,18 @@ cost the grader more than the learner's code does (a kernel in Triton's interpre
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
-from torch import nn
 
 from autograde.cases import TOLERANCE, Draw, Inputs
 from autograde.compare import compare_floats, compare_tensor, describe
-from autograde.sandbox.observe import ContractError, OtherValue, TensorValue, kind_of, observe, pair, raised
+from autograde.observe import ContractError, OtherValue, TensorValue, kind_of, observe, pair, raised
 
-__all__ = ["adapter", "adapters_of", "oracle", "oracle_of", "assert_rule", "assert_same", "returned_pair", "Draw",
-           "Inputs", "ContractError", "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats",
-           "TOLERANCE", "observed", "observed_rows", "describe_layer", "structure_of", "learner_module", "load_layers",
-           "constructor_errors"]
-
-
-def adapter(function: Callable) -> Callable:
-    """Mark `function(learner, ...)` as a call the tests can make on `submission` and `reference`.
-
-    It runs where the learner's code runs (the sandboxed worker, when grading) and receives the
-    learner's names as attributes of `learner`; what it returns is observed and sent back.
-    """
-    function.__autograde_adapter__ = True
-    return function
+__all__ = ["oracle", "oracle_of", "assert_rule", "assert_same", "returned_pair", "Draw", "Inputs", "ContractError",
+           "TensorValue", "OtherValue", "kind_of", "pair", "raised", "compare_floats", "TOLERANCE", "observed",
+           "observed_rows"]
 
 
 def oracle(of: Callable) -> Callable[[Callable], Callable]:
@@ -53,68 +42,6 @@ def oracle(of: Callable) -> Callable[[Callable], Callable]:
 
 def oracle_of(adapter_function: Callable) -> Callable | None:
     return getattr(adapter_function, "__autograde_oracle__", None)
-
-
-def adapters_of(module) -> dict[str, Callable]:
-    return {name: value for name, value in vars(module).items() if getattr(value, "__autograde_adapter__", False)}
-
-
-# The learner's nn.Modules: what the structure tests observe, and the case's weights loaded into them.
-
-_ABSENT = object()
-
-
-def describe_layer(module: Any, name: str) -> str:
-    """`module.<name>` as the tests name it: `nn.Linear(in, out, bias=...)`, another module's class
-    name, `None`, or `missing` where there is no such attribute."""
-    layer = getattr(module, name, _ABSENT)
-    if layer is _ABSENT:
-        return "missing"
-    if layer is None:
-        return "None"
-    if isinstance(layer, nn.Linear):
-        return f"nn.Linear({layer.in_features}, {layer.out_features}, bias={layer.bias is not None})"
-    return type(layer).__name__
-
-
-def structure_of(module: Any, call: str, layers: Iterable[str], attributes: Iterable[str] = ()) -> dict:
-    """What a structure test compares: whether `module` (made by `call`) is an nn.Module, its layers
-    described, and its attributes as they are."""
-    outputs = {f"{call} is an nn.Module": isinstance(module, nn.Module)}
-    outputs.update({f"{call}.{name}": describe_layer(module, name) for name in layers})
-    outputs.update({f"{call}.{attribute}": getattr(module, attribute, None) for attribute in attributes})
-    return outputs
-
-
-def learner_module(module: Any, class_name: str) -> nn.Module:
-    """What the learner's `class_name(...)` returned, which must be an nn.Module."""
-    if not isinstance(module, nn.Module):
-        raise ContractError(f"{class_name}(...) should be an nn.Module; it is {type(module).__name__}")
-    return module
-
-
-def load_layers(module: nn.Module, class_name: str, expected: Mapping[str, str], inputs: Inputs) -> None:
-    """Each layer named in `expected` described as expected (`describe_layer`), else a ContractError;
-    each that is a layer given the case's `<name>.weight`, and `<name>.bias` where the case has one."""
-    for name, wanted in expected.items():
-        found = describe_layer(module, name)
-        if found != wanted:
-            raise ContractError(f"{class_name}.{name} should be {wanted}; it is {found}")
-        layer = getattr(module, name)
-        if isinstance(layer, nn.Module):
-            with torch.no_grad():
-                layer.weight.copy_(inputs[f"{name}.weight"])
-                if f"{name}.bias" in inputs.values:
-                    layer.bias.copy_(inputs[f"{name}.bias"])
-
-
-def constructor_errors(class_name: str) -> Callable:
-    """An adapter: what `class_name(*arguments)` raises for each tuple of `inputs["calls"]`."""
-    @adapter
-    def value_errors(functions, inputs: Inputs) -> dict:
-        return {f"{class_name}({', '.join(map(str, arguments))}) raises":
-                raised(ValueError, getattr(functions, class_name), *arguments) for arguments in inputs["calls"]}
-    return value_errors
 
 
 def returned_pair(result: Any, call: str, names: str = "(out, weights)") -> tuple:

@@ -26,6 +26,7 @@ from autograde.sandbox import client as sandbox
 from autograde.sandbox import procfs
 from autograde.sandbox.worker import THREAD_STARTED
 from autograde.submission import extract
+from autograde.tests import test_flash_forward as tests
 from tests.fixtures.implementations import FULL_MATRIX_FORWARD
 from tests.fixtures.notebooks import answer, learner_notebook
 
@@ -324,7 +325,6 @@ def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float]:
     """flash_forward's two cases measured from outside, as the hidden tests measure them, on `seed`'s
     inputs: the causal/full ratio of the fastest CPU times, and the memory gained and touched over
     what `rules.whole_scores` allows."""
-    tests = registry.module(registry.get("flash_forward"))
     exercise = registry.get("flash_forward")
     cells = extract.code_cells(learner_notebook("flash_forward", answers))
     submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)

@@ -10,7 +10,7 @@ from autograde.cases import Inputs
 from autograde.compare import FLOAT32_HINT, NOT_RUN, CaseResult, compare_floats, compare_tensor
 from autograde.frontends.check import check
 from autograde.grading.report import case_lines, check_text, counted
-from autograde.sandbox.observe import TensorValue
+from autograde.observe import TensorValue
 
 
 def tensor(array: np.ndarray) -> TensorValue:

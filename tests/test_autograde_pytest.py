@@ -46,13 +46,10 @@ def test_one_notebook_with_pytest_junit_xml_and_k(tmp_path: Path):
     assert f"{len(causal)} passed, {len(tests) - len(causal)} deselected" in visible.stdout
 
 
-TOY_TESTS = '''"""`toy`: the smallest exercise, to show how one is added."""
+TOY_DEFINITION = '''"""`toy`: the smallest exercise, to show how one is added."""
 
-import pytest
-import torch
-
-from autograde.cases import Exercise, Inputs
-from autograde.testing import adapter, assert_same
+from autograde.adapters import adapter
+from autograde.cases import Exercise
 
 EXERCISE = Exercise(id="toy", assignment="toys", title="Doubling", required=("double",), not_allowed=())
 
@@ -60,6 +57,15 @@ EXERCISE = Exercise(id="toy", assignment="toys", title="Doubling", required=("do
 @adapter
 def doubled(learner, inputs):
     return {"double(x)": learner.double(inputs["x"])}
+'''
+
+TOY_TESTS = '''"""`toy`'s tests."""
+
+import pytest
+import torch
+
+from autograde.cases import Inputs
+from autograde.testing import assert_same
 
 
 @pytest.mark.uses("double")
@@ -95,11 +101,12 @@ def toy_notebook() -> nbformat.NotebookNode:
                                                              "language": "python"}})
 
 
-def test_an_exercise_is_a_test_module_a_solution_notebook_and_a_release(tmp_path: Path):
+def test_an_exercise_is_a_definition_a_test_module_a_solution_notebook_and_a_release(tmp_path: Path):
     course = tmp_path / "course"
     shutil.copytree(ROOT / "autograde", course / "autograde", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "solutions", course / "solutions")
     shutil.copytree(ROOT / "exercises", course / "exercises")
+    (course / "autograde/exercises/toy.py").write_text(TOY_DEFINITION)
     (course / "autograde/tests/test_toy.py").write_text(TOY_TESTS)
     (course / "solutions/toys").mkdir()
     nbformat.write(toy_notebook(), course / "solutions/toys/toy.ipynb")

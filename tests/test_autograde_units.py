@@ -22,8 +22,8 @@ from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
 from autograde.compare import CaseResult, compare_tensor
 from autograde.grading import grade
 from autograde.grading.session import catalogue, max_score
+from autograde.observe import OtherValue, observe_tensor
 from autograde.sandbox import isolation, wire
-from autograde.sandbox.observe import OtherValue, observe_tensor
 from autograde.sandbox.tripwire import ForbiddenCall, Tripwire, resolve
 from autograde.submission import extract, forbidden, notebook
 from tests.fixtures.notebooks import sent_inputs

@@ -26,11 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde import rules, solutions
+from autograde import solutions
 from autograde.frontends import check as self_check
 from autograde.grading import grade
 from autograde.grading.session import catalogue, max_score
-from autograde.sandbox.observe import Submission
+from autograde.observe import Submission
+from autograde.rules import measure
+from autograde.tests import test_flash_backward as BACKWARD_TESTS
+from autograde.tests import test_flash_forward as FORWARD_TESTS
+from autograde.tests import test_flash_triton as TRITON_TESTS
 from tests.fixtures.implementations import (
     FULL_MATRIX_FORWARD,
     LSE_IN_128_ROW_BLOCKS,
@@ -57,9 +61,6 @@ from tests.fixtures.notebooks import (
 
 pytestmark = pytest.mark.timeout(120)
 
-FORWARD_TESTS = exercises.module(exercises.get("flash_forward"))
-BACKWARD_TESTS = exercises.module(exercises.get("flash_backward"))
-TRITON_TESTS = exercises.module(exercises.get("flash_triton"))
 
 # The visible tests of values; the rules are tests of their own, which wrong values do not fail.
 FORWARD_VALUES = {"forward-ragged", "forward-causal", "forward-causal-more-queries", "forward-default-blocks",
@@ -568,17 +569,17 @@ def test_the_reference_keeps_the_rules_with_room_to_spare():
     q, k, v = random_qkv(1, 1, 1024, 1024, 16, dtype=torch.float32)
     flops = {}
     for causal in (False, True):
-        with rules.Footprint() as footprint:
+        with measure.Footprint() as footprint:
             FORWARD_REF["flash_attention_forward"](q, k, v, causal)
         flops[causal] = footprint.matmul_flops
     assert flops[True] / flops[False] == 136 / 256  # 16 x 16 blocks of 64, the diagonal and below
 
     q, k, v = random_qkv(2, 2, 192, 160, 16, dtype=torch.float32)
-    with rules.Footprint() as footprint:
+    with measure.Footprint() as footprint:
         out, lse = FORWARD_REF["flash_attention_forward"](q, k, v, block_q=32, block_k=32)
     assert footprint.largest == q.numel()  # out and q's scaled blocks; a block of scores is 4,096
     dout = torch.randn_like(out)
-    with rules.Footprint() as footprint:
+    with measure.Footprint() as footprint:
         BACKWARD_REF["flash_attention_backward"](q, k, v, out, lse, dout, block_q=32, block_k=32)
     assert footprint.largest == q.numel()
 
@@ -588,7 +589,7 @@ def test_footprint_counts_matmul_flops_as_flopcountermode_does():
 
     q, k, v = random_qkv(2, 1, 100, 80, 16)
     forward = FORWARD_REF["flash_attention_forward"]
-    with rules.Footprint() as footprint:
+    with measure.Footprint() as footprint:
         forward(q, k, v, True, 32, 16)
     with FlopCounterMode(display=False) as counter:
         forward(q, k, v, True, 32, 16)
@@ -599,26 +600,26 @@ def test_saved_for_backward_names_what_is_kept():
     q, k, v = random_qkv(1, 2, 12, 12, 16, requires_grad=True)
     _, lse = FORWARD_REF["flash_attention_forward"](q.detach(), k.detach(), v.detach(), True)
     out = BACKWARD_REF["FlashAttention"].apply(q, k, v, True)
-    assert rules.saved_for_backward(out, {"q": q, "k": k, "v": v, "out": out, "lse": lse}) == "q, k, v, out, lse"
-    assert rules.saved_for_backward(out, {"q": q, "out": out}) == (
+    assert measure.saved_for_backward(out, {"q": q, "k": k, "v": v, "out": out, "lse": lse}) == "q, k, v, out, lse"
+    assert measure.saved_for_backward(out, {"q": q, "out": out}) == (
         "q, out, a tensor of shape (1, 2, 12, 16), a tensor of shape (1, 2, 12, 16), a tensor of shape (1, 2, 12)")
 
 
 def test_triton_launches_are_counted():
     submission = Submission(TRITON_REF)
     q, k, v = random_qkv(1, 1, 8, 8, 16, dtype=torch.float32)
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         submission.flash_attention_triton(q, k, v)
         submission.flash_attention_triton(q, k, v, causal=True)
     assert launches.count == 2
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         FORWARD_REF["flash_attention_forward"](q, k, v)
     assert launches.count == 0
 
 
 def test_a_launch_records_the_values_it_stored_in_any_layout():
     q, k, v = random_qkv(1, 1, 8, 8, 16, dtype=torch.float32)
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         out, lse = Submission(TRITON_REF).flash_attention_triton(q, k, v)
     assert launches.wrote(out) and launches.wrote(lse)
     assert launches.wrote(out.transpose(-2, -1).contiguous())
@@ -629,7 +630,7 @@ def test_a_launch_records_what_it_stored_in_a_buffer_larger_than_the_result():
     """A slice, a view or a copy of part of what a launch stored holds its values; values it did not
     store, or a value stored once taken twice, do not."""
     q, k, v = random_qkv(1, 2, 45, 70, 16, dtype=torch.float32)
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         out, lse = run_cells(learner_notebook("flash_triton", LSE_IN_128_ROW_BLOCKS))["flash_attention_triton"](q, k, v)
     stored = next(tensor for tensor in launches.written if tensor.shape == (2, 128))
     assert lse.shape == (1, 2, 45) and launches.wrote(lse) and launches.wrote(lse[:, 1, 3:9].contiguous())
@@ -637,14 +638,14 @@ def test_a_launch_records_what_it_stored_in_a_buffer_larger_than_the_result():
     assert not launches.wrote(lse + 1)
     assert not launches.wrote(torch.cat([lse.flatten(), lse.flatten()[:1]]))  # one stored value, twice
     zeros, nans = torch.zeros(3), torch.full((2,), float("nan"))
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         launches.written.append(torch.tensor([-0.0, 0.0, 1.0, float("nan"), 0.0]))
     assert launches.wrote(zeros) and launches.wrote(nans[:1]) and not launches.wrote(nans)
 
 
 def test_a_triton_launch_that_raises_is_not_counted():
     """A launch made only to be counted, its error caught, computed nothing."""
-    with rules.TritonLaunches() as launches:
+    with measure.TritonLaunches() as launches:
         with pytest.raises(Exception):
             TRITON_REF["flash_attention_kernel"][(1,)]()
     assert launches.count == 0
@@ -683,7 +684,7 @@ def test_reductions_measures_the_widest_reduction():
                           "the largest of all": lambda: x.max(),
                           "top-1 along the row": lambda: x.topk(1).values,
                           "a bool mask": lambda: (x > 0).any(dim=-1)}.items():
-        with rules.Reductions() as reductions:
+        with measure.Reductions() as reductions:
             compute()
         measured[name] = reductions.widest
     assert measured == {"blocks of 8": 8, "plain softmax": 37, "sum as a product": 37, "the largest of all": 555,

@@ -21,7 +21,10 @@ from torch import nn
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.exercises import kv_cache as kv_cache_definition
 from autograde.grading.session import catalogue, max_score
+from autograde.tests import test_gqa as GQA_TESTS
+from autograde.tests import test_kv_cache as KV_TESTS
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
@@ -40,8 +43,6 @@ pytestmark = pytest.mark.timeout(120)
 GQA = solutions.namespace(exercises.get("gqa"))
 KV = solutions.namespace(exercises.get("kv_cache"))
 STEP = "gqa_decode_step"
-GQA_TESTS = exercises.module(exercises.get("gqa"))
-KV_TESTS = exercises.module(exercises.get("kv_cache"))
 
 
 # Wrong answers lose exactly the tests they break; right answers in other styles pass.
@@ -310,7 +311,7 @@ def test_the_step_is_given_only_the_attributes_of_the_contract():
     step = "def gqa_decode_step(module, x_new, cache=None):\n    return module(x_new), cache\n"
     results, _ = grade_in_process("kv_cache", learner_notebook("kv_cache", {STEP: step}))
     assert failed(results) == set(results)
-    given_module = exercises.module(exercises.get("kv_cache")).given_module
+    given_module = kv_cache_definition.given_module
     module = given_module(sent_inputs("kv_cache", None)["given-cache"][0])
     assert sorted(vars(module)) == ["head_dim", "k_proj", "num_heads", "num_kv_heads", "o_proj", "q_proj", "v_proj"]
     assert (module.k_proj.in_features, module.k_proj.out_features, module.k_proj.bias) == (12, 6, None)

@@ -16,12 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from autograde import registry as exercises
-from autograde import rules, solutions
+from autograde import solutions
 from autograde.cases import Inputs
+from autograde.exercises import mla as mla_definition
+from autograde.exercises import rope as rope_definition
 from autograde.frontends import check as self_check
 from autograde.frontends.nbgrader import test_function as function_of_test
 from autograde.grading.session import catalogue
+from autograde.rules import measure
 from autograde.submission import extract
+from autograde.tests import test_mla as MLA_TESTS
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
@@ -38,7 +42,6 @@ pytestmark = pytest.mark.timeout(300)
 
 ROPE = solutions.namespace(exercises.get("rope"))
 MLA = solutions.namespace(exercises.get("mla"))
-MLA_TESTS = exercises.module(exercises.get("mla"))
 SEEDS = (1, 2, 3, 5, 8, 13)  # the seeds on which every wrong answer must lose exactly its hidden tests
 
 
@@ -444,13 +447,13 @@ def test_feedback_says_precisely_what_is_wrong(exercise_id, name, case, message)
 
 
 def test_the_steps_are_given_only_the_attributes_of_the_contract():
-    rope_module = exercises.module(exercises.get("rope")).given_rotary_module(sent_inputs("rope", None)[
+    rope_module = rope_definition.given_rotary_module(sent_inputs("rope", None)[
         "decode-given-cache[cache of 4 tokens]"][0])
     assert sorted(vars(rope_module)) == ["head_dim", "k_proj", "num_heads", "num_kv_heads", "o_proj", "q_proj",
                                          "rope_base", "v_proj"]
     assert rope_module.rope_base == 100.0
     for case, rope in (("decode-chunked-prefill[rope_dim > 0]", True), ("decode-chunked-prefill[rope_dim 0]", False)):
-        module = MLA_TESTS.given_module(sent_inputs("mla", None)[case][0])
+        module = mla_definition.given_module(sent_inputs("mla", None)[case][0])
         assert sorted(vars(module)) == ["head_dim", "k_rope", "k_up", "kv_down", "kv_latent_dim", "num_heads",
                                         "o_proj", "q_proj", "rope_base", "rope_dim", "v_up"]
         assert (module.k_rope is not None) == rope and all(
@@ -702,7 +705,7 @@ def test_reference_mla_step_after_a_given_cache_takes_positions_t_onwards():
 
 
 def footprint(step, module, x_new, cache) -> int:
-    with rules.Footprint() as measured, torch.no_grad():
+    with measure.Footprint() as measured, torch.no_grad():
         step(module, x_new, cache)
     return measured.largest
 
@@ -727,7 +730,7 @@ def test_reference_mla_step_keeps_the_contracts_memory_bound_and_the_explicit_st
 
 def test_the_memory_probe_measures_what_the_contract_bounds():
     inputs = sent_inputs("mla", None)["memory-rule"][0]
-    measured = MLA_TESTS.decode_memory(SimpleNamespace(mla_decode_step=MLA["mla_decode_step"]), inputs)
+    measured = mla_definition.decode_memory(SimpleNamespace(mla_decode_step=MLA["mla_decode_step"]), inputs)
     assert measured[MLA_TESTS.LIMIT] == 20480 and measured[MLA_TESTS.EXPANDED] == 65536
     assert measured[MLA_TESTS.LARGEST] <= measured[MLA_TESTS.LIMIT]
 

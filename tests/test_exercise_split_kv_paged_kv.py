@@ -17,7 +17,11 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.exercises import paged_kv as paged_kv_definition
+from autograde.exercises import split_kv as split_kv_definition
 from autograde.grading.session import catalogue, max_score
+from autograde.tests import test_paged_kv as PAGED_TESTS
+from autograde.tests import test_split_kv as SPLIT_TESTS
 from tests.fixtures.implementations import Variant, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
@@ -35,8 +39,6 @@ pytestmark = pytest.mark.timeout(300)
 
 SPLIT_KV = solutions.namespace(exercises.get("split_kv"))
 PAGED_KV = solutions.namespace(exercises.get("paged_kv"))
-SPLIT_TESTS = exercises.module(exercises.get("split_kv"))
-PAGED_TESTS = exercises.module(exercises.get("paged_kv"))
 MERGE, SPLIT, APPEND, ATTENTION = "merge_attention_states", "split_kv_attention", "append_to_paged_cache", \
     "paged_attention"
 
@@ -255,7 +257,7 @@ def test_the_solution_keeps_full_marks_on_every_seed(exercise_id, seed):
 def test_the_softmax_family_is_not_allowed_in_split_kv(call):
     step = replaced("split_kv", SPLIT, ("        weights = torch.exp(scores - top)\n", f"        weights = {call}\n"))
     _, violations = grade_in_process("split_kv", learner_notebook("split_kv", {SPLIT: step}))
-    assert violations and {v.name for v in violations} <= set(SPLIT_TESTS.EXERCISE.not_allowed)
+    assert violations and {v.name for v in violations} <= set(split_kv_definition.EXERCISE.not_allowed)
 
 
 FEEDBACK = [
@@ -404,7 +406,7 @@ def test_the_hidden_inputs_of_split_kv_are_what_their_case_names_say(seed):
         assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
         H, H_kv, L, S = inputs["q"].shape[1], inputs["k"].shape[1], inputs["q"].shape[2], inputs["k"].shape[2]
         ((_, num_splits, causal_given),) = inputs["calls"]
-        chunks = [stop - start for start, stop in SPLIT_TESTS.chunk_bounds(S, num_splits)]
+        chunks = [stop - start for start, stop in split_kv_definition.chunk_bounds(S, num_splits)]
         assert {"one split": num_splits == 1,
                 "splits dividing S": num_splits > 1 and S % num_splits == 0,
                 "splits not dividing S": 1 < num_splits < S and S % num_splits and 0 not in chunks,
@@ -421,7 +423,7 @@ def test_the_hidden_inputs_of_split_kv_are_what_their_case_names_say(seed):
         assert (scores - centre).abs().max() <= 15 / 4 and q.shape[-1] == 16
         assert torch.equal(scores, torch.round(scores * 4) / 4)  # quarters: exact in float32
         S, num_splits = inputs["k"].shape[2], inputs["calls"][0][1]
-        assert S % num_splits and 0 not in [b - a for a, b in SPLIT_TESTS.chunk_bounds(S, num_splits)]
+        assert S % num_splits and 0 not in [b - a for a, b in split_kv_definition.chunk_bounds(S, num_splits)]
     for case, (magnitude, dtype) in MERGES.items():
         (inputs,) = sent[f"merge-random[{case}]"]
         assert str(inputs["out_a"].dtype) == f"torch.{dtype}"
@@ -461,7 +463,7 @@ def test_the_hidden_inputs_of_paged_kv_are_what_their_case_names_say(seed):
         inputs, _ = sent[f"append-random[{case}]"]
         page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"]
         assert all((n % page_size == 0) == (ends == "new tokens starting a page") for n in lengths.tolist())
-        pages, _ = PAGED_TESTS.new_slots(inputs)
+        pages, _ = paged_kv_definition.new_slots(inputs)
         assert len(set(pages.tolist())) == len(pages)  # no two sequences write the same page
         assert all(n >= page_size for n in lengths.tolist()) or ends != "new tokens starting a page"
     for case, size in PAGED_TESTS.PAGE_SIZES.items():

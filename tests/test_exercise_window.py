@@ -17,6 +17,7 @@ from autograde import registry as exercises
 from autograde import solutions
 from autograde.grading import batch
 from autograde.grading.session import catalogue, max_score
+from autograde.tests import test_window as TESTS
 from tests.fixtures.implementations import Variant, cases, fs, variant_id
 from tests.fixtures.notebooks import (
     ROOT,
@@ -32,7 +33,6 @@ from tests.fixtures.notebooks import (
 pytestmark = pytest.mark.timeout(300)
 
 WINDOW = solutions.namespace(exercises.get("window"))
-TESTS = exercises.module(exercises.get("window"))
 MASK, ATTENTION, CACHE = "sliding_window_mask", "windowed_attention", "RollingKVCache"
 
 

@@ -15,7 +15,7 @@ from autograde import registry as exercises
 from autograde.frontends import release
 from autograde.grading import batch, expected
 from autograde.grading.session import catalogue
-from autograde.sandbox.observe import TensorValue
+from autograde.observe import TensorValue
 from tests.fixtures.notebooks import ROOT, SEED, failed, grade_id, grade_in_process, is_solution_cell, learner_notebook
 
 pytestmark = pytest.mark.timeout(300)

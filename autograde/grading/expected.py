@@ -21,8 +21,8 @@ from autograde.cases import Exercise
 from autograde.compare import NOT_RUN
 from autograde.grading.proxies import LearnerFailed, Proxy
 from autograde.grading.reference import Reference, released_fingerprint
+from autograde.observe import Failure
 from autograde.sandbox import wire
-from autograde.sandbox.observe import Failure
 
 INDEX = "index.json"
 

@@ -12,9 +12,9 @@ from typing import Any, Iterator
 
 from autograde.cases import Exercise
 from autograde.grading.proxies import LearnerFailed, Proxy, describe_arguments
+from autograde.observe import CallCost, failure_from, observe
 from autograde.sandbox import procfs
 from autograde.sandbox.calls import LearnerCalls
-from autograde.sandbox.observe import CallCost, failure_from, observe
 from autograde.sandbox.tripwire import Tripwire
 from autograde.submission.forbidden import Violation
 

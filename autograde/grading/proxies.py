@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from autograde.cases import Exercise, Inputs
+from autograde.observe import CallCost, Failure
 from autograde.sandbox.calls import callable_names
-from autograde.sandbox.observe import CallCost, Failure
 
 
 class LearnerFailed(AssertionError):

@@ -10,8 +10,8 @@ import torch
 from autograde import solutions
 from autograde.cases import Exercise, Inputs, float_copy
 from autograde.grading.proxies import Proxy
+from autograde.observe import failure_from, observe
 from autograde.sandbox.calls import LearnerCalls
-from autograde.sandbox.observe import failure_from, observe
 from autograde.testing import oracle_of
 
 

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 
 from autograde.cases import Exercise
 from autograde.grading.proxies import LearnerFailed, Proxy, describe_arguments
+from autograde.observe import CallCost, Failure
 from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation, wire
-from autograde.sandbox.observe import CallCost, Failure
 from autograde.submission.forbidden import Violation
 
 # A call after which the worker's tripwire no longer stood (`Tripwire.intact`), or that said nothing of it.

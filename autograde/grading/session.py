@@ -25,7 +25,7 @@ from autograde.compare import CaseResult, total
 from autograde.grading import expected
 from autograde.grading.proxies import LearnerFailed, Proxy
 from autograde.grading.sandboxed import SandboxedSubmission
-from autograde.sandbox.observe import Failure
+from autograde.observe import Failure
 from autograde.submission.forbidden import Violation
 
 SEED_VARIABLE = "AUTOGRADE_SEED"

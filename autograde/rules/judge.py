@@ -1,5 +1,5 @@
 """The rules' judgements, in the grading process: the numbers an adapter measured (`rules.measure`)
-or the fork server measured from outside (`sandbox.observe.CallCost`) held against their limits.
+or the fork server measured from outside (`observe.CallCost`) held against their limits.
 
 Equal values cannot show that an attention kernel never builds the full score matrix, or
 skips the blocks that a causal mask hides. An adapter therefore measures the learner's call and
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Callable
 
-from autograde.sandbox.observe import CallCost
+from autograde.observe import CallCost
+from autograde.rules import measure
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,9 @@ def _number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def memory(function: str) -> tuple[Rule, str, str]:
-    """The memory rule of the flash exercises, with the keys its probe reports:
-    `(rule, largest_key, limit_key)`."""
-    largest = f"largest tensor created by {function} (elements)"
-    limit = "max(q.numel(), k.numel(), v.numel(), B*H*block_q*block_k)"
+def memory(function: str) -> Rule:
+    """The memory rule of the flash exercises, on the keys `measure.memory_keys` names."""
+    largest, limit = measure.memory_keys(function)
 
     def judge(expected: dict, got: dict) -> list[str]:
         measured, allowed = got[largest], expected[limit]
@@ -56,7 +55,7 @@ def memory(function: str) -> tuple[Rule, str, str]:
                 f"{measured / allowed:.3g}x the {allowed:,} allowed ({limit}); the reference's largest holds "
                 f"{expected[largest]:,}. Work on one block of scores at a time: never all L x S at once."]
 
-    return Rule("memory", (largest,), judge), largest, limit
+    return Rule("memory", (largest,), judge)
 
 
 def whole_scores(call: str, peak: CallCost, scores: int) -> list[str]:
@@ -102,12 +101,9 @@ def work_time(call: str, causal: list[CallCost], full: list[CallCost], allowed: 
             "and masking them."]
 
 
-def work() -> tuple[Rule, str, str, str]:
-    """The work rule of `flash_attention_forward`, with the keys its probe reports:
-    `(rule, causal_flops_key, full_flops_key, allowed_key)`."""
-    causal = "matmul FLOPs with causal=True"
-    full = "matmul FLOPs with causal=False"
-    allowed = "largest ratio allowed"
+def work() -> Rule:
+    """The work rule of `flash_attention_forward`, on the keys `measure.work_keys` names."""
+    causal, full, allowed = measure.work_keys()
 
     def judge(expected: dict, got: dict) -> list[str]:
         if not (_number(got[causal]) and _number(got[full])):
@@ -123,12 +119,12 @@ def work() -> tuple[Rule, str, str, str]:
                 f"(the reference: {expected[causal] / expected[full]:.3g}x). Skip the key blocks wholly above "
                 "the diagonal instead of computing and masking them."]
 
-    return Rule("work", (causal, full, allowed), judge), causal, full, allowed
+    return Rule("work", (causal, full, allowed), judge)
 
 
-def saved(function: str) -> tuple[Rule, str]:
-    """The rule on what `function`'s forward saves for the backward, with the key its probe reports."""
-    key = f"tensors {function}'s forward saves for backward"
+def saved(function: str) -> Rule:
+    """The rule on what `function`'s forward saves for the backward (`measure.saved_key`)."""
+    key = measure.saved_key(function)
 
     def judge(expected: dict, got: dict) -> list[str]:
         if got[key] == expected[key]:
@@ -136,13 +132,13 @@ def saved(function: str) -> tuple[Rule, str]:
         return [f"saved-tensors rule broken: {function}'s forward saves {got[key]}; it must save exactly "
                 f"{expected[key]}, and the backward recomputes the probabilities block by block from lse."]
 
-    return Rule("saved tensors", (key,), judge), key
+    return Rule("saved tensors", (key,), judge)
 
 
-def by_hand(function: str) -> tuple[Rule, str]:
-    """The rule that `function` computes its gradients by hand, with the key its probe reports: no
-    autograd graph recorded while it runs (`AutogradRecorded`)."""
-    key = f"tensors autograd saved for a backward during {function}"
+def by_hand(function: str) -> Rule:
+    """The rule that `function` computes its gradients by hand: no autograd graph recorded while it
+    runs (`measure.AutogradRecorded`, reported under `measure.by_hand_key`)."""
+    key = measure.by_hand_key(function)
 
     def judge(expected: dict, got: dict) -> list[str]:
         if _number(got[key]) and got[key] == 0:
@@ -151,19 +147,17 @@ def by_hand(function: str) -> tuple[Rule, str]:
                 f"({got[key]!r} tensors saved for its backward); the gradients are the exercise: compute them by "
                 "hand, block by block, not with torch.autograd.grad or .backward() on a recomputed forward."]
 
-    return Rule("hand-written backward", (key,), judge), key
+    return Rule("hand-written backward", (key,), judge)
 
 
-def launched(function: str) -> tuple[Rule, str, str, str]:
-    """The rule that `function` computes with a Triton kernel, with the keys its probe reports:
-    `(rule, launches_key, written_key, outside_key)`: the launches that ran to the end, which
+def launched(function: str) -> Rule:
+    """The rule that `function` computes with a Triton kernel, on the keys `measure.launched_keys`
+    names: the launches that ran to the end, which
     results hold values a launch stored (all it stored in one tensor, or a part: a view, slice or
     copy), and the most values one PyTorch reduction combined outside
     the kernels (the wrapper should only allocate, reshape and launch), with that reduction under
     `outside_key + " (call)"`."""
-    launches = f"Triton kernels launched by {function}"
-    written = "results stored by a Triton kernel"
-    outside = f"most values one PyTorch reduction combined in {function}, outside its kernels"
+    launches, written, outside = measure.launched_keys(function)
 
     def judge(expected: dict, got: dict) -> list[str]:
         if not (_number(got[launches]) and got[launches] >= 1):
@@ -182,14 +176,13 @@ def launched(function: str) -> tuple[Rule, str, str, str]:
                             "wrapper only allocates, reshapes and launches.")
         return problems
 
-    return Rule("Triton kernel", (launches, written, outside, outside + " (call)"), judge), launches, written, outside
+    return Rule("Triton kernel", (launches, written, outside, outside + " (call)"), judge)
 
 
-def reductions(function: str) -> tuple[Rule, str, str]:
-    """The rule that `function` reads its input in blocks, with the keys its probe reports:
-    `(rule, widest_key, limit_key)`; the probe also reports the widest call under `widest_key + " (call)"`."""
-    widest = f"most values one reduction combined during {function}"
-    limit = "block_size"
+def reductions(function: str) -> Rule:
+    """The rule that `function` reads its input in blocks, on the keys `measure.reduction_keys`
+    names; the probe also reports the widest call under `widest_key + " (call)"`."""
+    widest, limit = measure.reduction_keys(function)
 
     def judge(expected: dict, got: dict) -> list[str]:
         measured, allowed = got[widest], expected[limit]
@@ -202,17 +195,16 @@ def reductions(function: str) -> tuple[Rule, str, str]:
                 "one block. Read the row one block of columns at a time: a running max and a running sum, "
                 "updated block by block, never a max or a sum over the whole row."]
 
-    return Rule("block", (widest,), judge), widest, limit
+    return Rule("block", (widest,), judge)
 
 
-def keys_in_blocks(function: str) -> tuple[Callable[[dict, dict], str | None], str, str]:
+def keys_in_blocks(function: str) -> Callable[[dict, dict], str | None]:
     """A tiled forward reads the keys one block at a time: no reduction combines more values than
     a block of keys or a head's width. The contract bounds the memory, not this, so a forward that
     reduces over every key at once (attention computed a few query rows at a time, with no online
-    softmax) keeps its points and is sent for review: `(finding, widest_key, limit_key)`, where
-    `finding(expected, got)` is the reason to review, or None."""
-    widest = f"most values one reduction combined during {function}"
-    limit = "max(block_k, head dimension)"
+    softmax) keeps its points and is sent for review: `finding(expected, got)`, on the keys
+    `measure.keys_in_blocks_keys` names, is the reason to review, or None."""
+    widest, limit = measure.keys_in_blocks_keys(function)
 
     def finding(expected: dict, got: dict) -> str | None:
         measured, allowed = got.get(widest), expected[limit]
@@ -223,4 +215,4 @@ def keys_in_blocks(function: str) -> tuple[Callable[[dict, dict], str | None], s
                 "key at once, a few query rows at a time, where the exercise reads the keys block by block "
                 "with an online softmax")
 
-    return finding, widest, limit
+    return finding

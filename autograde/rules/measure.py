@@ -24,7 +24,7 @@ from torch.utils import _python_dispatch, _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograde import triton_interpreter
-from autograde.sandbox.observe import ContractError
+from autograde.observe import ContractError
 
 # The matrix products of FlopCounterMode's table; its attention and convolution entries have no place here.
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
@@ -245,3 +245,43 @@ class Reductions(TorchDispatchMode):
             return math.prod(shape)
         dims = [dims] if isinstance(dims, int) else list(dims)
         return math.prod(shape[d] for d in dims) if shape else 1
+
+
+# The names an adapter reports its measurements under; `rules.judge` reads them by the same names.
+
+def memory_keys(function: str) -> tuple[str, str]:
+    """`(largest, limit)`: the largest tensor `function` created (`Footprint`), and what the memory rule allows."""
+    return (f"largest tensor created by {function} (elements)",
+            "max(q.numel(), k.numel(), v.numel(), B*H*block_q*block_k)")
+
+
+def work_keys() -> tuple[str, str, str]:
+    """`(causal, full, allowed)`: the matmul FLOPs with and without the causal mask, and the largest ratio allowed."""
+    return "matmul FLOPs with causal=True", "matmul FLOPs with causal=False", "largest ratio allowed"
+
+
+def saved_key(function: str) -> str:
+    """What `function`'s forward saved for its backward (`saved_for_backward`)."""
+    return f"tensors {function}'s forward saves for backward"
+
+
+def by_hand_key(function: str) -> str:
+    """The tensors autograd saved for a backward while `function` ran (`AutogradRecorded`)."""
+    return f"tensors autograd saved for a backward during {function}"
+
+
+def launched_keys(function: str) -> tuple[str, str, str]:
+    """`(launches, written, outside)`: `TritonLaunches`' count and stored results, and the widest reduction
+    outside the kernels (`Reductions`)."""
+    return (f"Triton kernels launched by {function}", "results stored by a Triton kernel",
+            f"most values one PyTorch reduction combined in {function}, outside its kernels")
+
+
+def reduction_keys(function: str) -> tuple[str, str]:
+    """`(widest, limit)`: the most values one reduction combined during `function` (`Reductions`), and a block."""
+    return f"most values one reduction combined during {function}", "block_size"
+
+
+def keys_in_blocks_keys(function: str) -> tuple[str, str]:
+    """`(widest, limit)`: as `reduction_keys`, held against a block of keys or a head's width."""
+    return f"most values one reduction combined during {function}", "max(block_k, head dimension)"

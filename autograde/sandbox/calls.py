@@ -1,6 +1,6 @@
 """Calls on a learner's functions, where the learner's code lives: an adapter of the exercise's
-test module, or one of the exercise's functions by name. The worker makes them on the notebook's
-namespace; `check()` makes them in the learner's own kernel."""
+definition (`autograde/exercises/<id>.py`), or one of the exercise's functions by name. The worker
+makes them on the notebook's namespace; `check()` makes them in the learner's own kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from autograde import registry
 from autograde.cases import Exercise
-from autograde.sandbox.observe import Submission
+from autograde.observe import Submission
 
 
 class UnknownCall(AttributeError):

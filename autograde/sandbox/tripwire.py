@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autograde.sandbox.observe import learner_line
+from autograde.observe import learner_line
 from autograde.submission.forbidden import Violation
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from autograde.cases import Inputs
-from autograde.sandbox.observe import WIDENED, OtherValue, TensorValue
+from autograde.observe import WIDENED, OtherValue, TensorValue
 
 MAX_JSON_BYTES = 4 * 2**20
 MAX_ARRAY_BYTES = 256 * 2**20

@@ -4,7 +4,7 @@ Run by the fork server (`server.py`) in a scratch folder holding `job.json`. It 
 notebook's code cells (as in Jupyter, a failing cell does not stop the next), connects to the
 grading process over `channel.sock`, says which cells failed and which names are missing, and
 then answers calls, one at a time, until told it is done: each call names an adapter of the
-exercise's test module or one of the exercise's functions, with arguments in `in/`; the reply
+exercise's definition or one of the exercise's functions, with arguments in `in/`; the reply
 is what the call returned, observed (`observe.observe`) and written to `out/`, or how it
 failed. Everything this process sends is untrusted: the submission runs here.
 
@@ -32,8 +32,8 @@ import numpy
 import torch
 
 from autograde import registry
+from autograde.observe import Failure, failure_from, learner_line, observe
 from autograde.sandbox.calls import LearnerCalls
-from autograde.sandbox.observe import Failure, failure_from, learner_line, observe
 from autograde.sandbox.tripwire import Tripwire
 from autograde.sandbox.wire import MessageReader, decode_arguments, encode_result, read_json, send_message, write_json
 from autograde.submission.extract import cell_label

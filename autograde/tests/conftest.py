@@ -59,8 +59,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "uses(*names): the exercise's functions the test calls (for check(ex, name))")
 
 
+def _exercise_of_module(module) -> object:
+    """A test module `test_<id>.py` tests the exercise `<id>` (`registry.test_file`)."""
+    return registry.get(Path(module.__file__).stem.removeprefix("test_"))
+
+
 def _exercise_of(item) -> object:
-    return registry.get(item.module.EXERCISE.id)
+    return _exercise_of_module(item.module)
 
 
 def _session(config, exercise) -> Session:
@@ -162,7 +167,7 @@ def _problems(excinfo) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def exercise(request):
-    return registry.get(request.module.EXERCISE.id)
+    return _exercise_of_module(request.module)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ case as in `flash_forward`: through `FlashAttention.apply` and its backward at L
 the memory of the learner's processes must rise by less than all the scores would take at two
 bytes each, which a forward that keeps its probabilities (in any form) breaks. And the gradients
 are computed by hand: while `flash_attention_backward` or `FlashAttention`'s backward runs, autograd
-records no graph (`rules.AutogradRecorded`, in the learner's process and thread: autograd through
+records no graph (`measure.AutogradRecorded`, in the learner's process and thread: autograd through
 a recomputed forward, chunked to keep the memory rule, is what it catches).
 
 The hidden tests are parametrised by the contract's axes, as in `flash_forward`: L < S, L = S,
@@ -26,18 +26,23 @@ import math
 import pytest
 import torch
 
-from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, kind_of
-from autograde.testing import adapter, assert_rule, assert_same, observed, observed_rows, oracle
+from autograde.cases import Draw, Inputs
+from autograde.exercises.flash_backward import (
+    APPLY_RECORDED,
+    BACKWARD,
+    FUNCTION,
+    apply_gradients,
+    backward,
+)
+from autograde.exercises.flash_forward import DEFAULT_BLOCK
+from autograde.rules import judge
+from autograde.testing import assert_rule, assert_same, observed, observed_rows, oracle
 from autograde.tests.test_flash_forward import (
     BLOCK_SIZES,
     CAUSAL,
     CHECKED_ROW_STEP,
-    DEFAULT_BLOCK,
     EDGES,
     FLOAT16_CASES,
-    FORWARD,
     FORWARD_CASES,
     HEAD_DIMS,
     LENGTHS,
@@ -46,21 +51,15 @@ from autograde.tests.test_flash_forward import (
     assert_whole_scores_kept,
     attention_by_definition,
     attention_inputs,
-    call_text,
     draw_lengths,
     lse_dtype,
-    memory_limit,
-    options_of,
     rows_attending_nothing,
     whole_scores_note,
 )
 from autograde.tests.test_sdpa import bottom_right_causal
 
-BACKWARD, FUNCTION = "flash_attention_backward", "FlashAttention"
-MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(BACKWARD)
-SAVED_RULE, SAVED = rules.saved(FUNCTION)
-BY_HAND_RULE, RECORDED = rules.by_hand(BACKWARD)
-BY_HAND_APPLY_RULE, APPLY_RECORDED = rules.by_hand(f"{FUNCTION}'s backward")
+MEMORY_RULE, SAVED_RULE = judge.memory(BACKWARD), judge.saved(FUNCTION)
+BY_HAND_RULE, BY_HAND_APPLY_RULE = judge.by_hand(BACKWARD), judge.by_hand(f"{FUNCTION}'s backward")
 
 # The axes of the hidden tests: those of the forward pass; FlashAttention.apply has the default blocks only.
 BACKWARD_CASES = FORWARD_CASES
@@ -78,30 +77,7 @@ def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: t
             "dout": draw.normal(B, H, L, d, dtype=dtype), "causal": causal, **blocks}
 
 
-def gradients(result, call: str) -> tuple:
-    if not (isinstance(result, (tuple, list)) and len(result) == 3):
-        raise ContractError(f"{call} must return a triple (dq, dk, dv); it returned {kind_of(result)}")
-    return tuple(result)
-
-
-def apply_function(functions, inputs: Inputs) -> tuple:
-    """q, k, v as leaves that require grad, and FlashAttention.apply's output on them."""
-    q, k, v = (inputs[name].clone().requires_grad_(True) for name in ("q", "k", "v"))
-    out = functions.FlashAttention.apply(q, k, v, inputs["causal"])
-    if not isinstance(out, torch.Tensor):
-        raise ContractError(f"FlashAttention.apply(q, k, v, causal) must return out; it returned {kind_of(out)}")
-    return q, k, v, out
-
-
 # Probes.
-
-@adapter
-def backward(functions, inputs: Inputs) -> dict:
-    options = options_of(inputs)
-    tensors = [inputs[name] for name in ("q", "k", "v", "out", "lse", "dout")]
-    call = call_text(BACKWARD, "q, k, v, out, lse, dout", options)
-    dq, dk, dv = gradients(functions.flash_attention_backward(*tensors, **options), call)
-    return {"dq": dq, "dk": dk, "dv": dv}
 
 
 @oracle(of=backward)
@@ -124,22 +100,6 @@ def gradients_by_definition(q, k, v, out, lse, dout, causal: bool) -> dict:
     return {"dq": ds @ k * scale, "dk": ds.transpose(-2, -1) @ q * scale, "dv": p.transpose(-2, -1) @ dout}
 
 
-@adapter
-def backward_memory(functions, inputs: Inputs) -> dict:
-    with rules.Footprint() as footprint, rules.AutogradRecorded() as recorded:
-        observed = backward(functions, inputs)
-    return {**observed, LARGEST: footprint.largest, MEMORY_LIMIT: memory_limit(inputs), RECORDED: recorded.saved}
-
-
-@adapter
-def apply_gradients(functions, inputs: Inputs) -> dict:
-    q, k, v, out = apply_function(functions, inputs)
-    loss = (out * inputs["dout"]).sum()
-    with rules.AutogradRecorded() as recorded:  # the backward alone: the product above saves dout
-        loss.backward()
-    return {"out": out, "q.grad": q.grad, "k.grad": k.grad, "v.grad": v.grad, APPLY_RECORDED: recorded.saved}
-
-
 @oracle(of=apply_gradients)
 def apply_gradients_by_definition(inputs: Inputs) -> dict:
     """out by the definition, its gradients by the dense formulas, and no graph recorded."""
@@ -147,13 +107,6 @@ def apply_gradients_by_definition(inputs: Inputs) -> dict:
     out, lse = attention_by_definition(q, k, v, inputs["causal"])
     grads = gradients_by_definition(q, k, v, out, lse, dout, inputs["causal"])
     return {"out": out, "q.grad": grads["dq"], "k.grad": grads["dk"], "v.grad": grads["dv"], APPLY_RECORDED: 0}
-
-
-@adapter
-def saved_tensors(functions, inputs: Inputs) -> dict:
-    q, k, v, out = apply_function(functions, inputs)
-    known = {"q": q, "k": k, "v": v, "out": out, "lse": inputs["lse"]}
-    return {"out": out, SAVED: rules.saved_for_backward(out, known)}
 
 
 # Visible cases.
@@ -217,16 +170,6 @@ def random_apply(draw: Draw, lengths: str, edges: str, causal: bool) -> Inputs:
     values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
                              torch.float64, causal)
     return Inputs(values, "through FlashAttention.apply, with your forward and its default blocks")
-
-
-EXERCISE = Exercise(
-    id="flash_backward",
-    assignment="flash",
-    title="The tiled backward pass",
-    required=(FORWARD, BACKWARD, FUNCTION),
-    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    rules_in_process=True,
-)
 
 
 # The tests.

@@ -7,8 +7,8 @@ causal mask, the key blocks above the diagonal are skipped, not masked). These a
 the learner's process. The memory and work rules are also graded from outside it, in hidden
 cases too large for their measurements to be lost in noise: during a call at L = S = 4096, the
 memory of the learner's processes must rise by less than all the scores would take at two
-bytes each (`rules.whole_scores`), and with the causal mask they must spend at most 0.85x the
-CPU time they spend without it (`rules.work_time`), so that scores kept in blocks, or computed
+bytes each (`judge.whole_scores`), and with the causal mask they must spend at most 0.85x the
+CPU time they spend without it (`judge.work_time`), so that scores kept in blocks, or computed
 where the modes do not look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
@@ -28,18 +28,25 @@ import math
 import pytest
 import torch
 
-from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.sandbox.observe import CallCost, pair
-from autograde.testing import adapter, assert_rule, assert_same, observed, observed_rows, oracle
+from autograde.cases import Draw, Inputs
+from autograde.exercises.flash_forward import (
+    DEFAULT_BLOCK,
+    FORWARD,
+    ONLINE,
+    WORK_BLOCK,
+    WORK_LENGTH,
+    call_text,
+    forward,
+    memory_limit,
+    options_of,
+)
+from autograde.observe import CallCost
+from autograde.rules import judge
+from autograde.testing import assert_rule, assert_same, observed, observed_rows, oracle
 from autograde.tests.test_sdpa import bottom_right_causal
 
-ONLINE, FORWARD = "online_softmax", "flash_attention_forward"
-OPTIONS = ("causal", "block_q", "block_k")
-DEFAULT_BLOCK = 64
 HEAD_DIMS = (16, 32, 64)
 BLOCK_SIZES = (8, 16, 32, 64)
-WORK_LENGTH, WORK_BLOCK, WORK_RATIO = 1024, 64, 0.6
 # The case whose memory is measured from outside: all its scores take 64 MiB in float32; a few
 # MiB of noise (pages touched for the first time, the arguments read) stay far below the 32 MiB allowed.
 WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
@@ -53,10 +60,8 @@ WORK_TIME_CALLS, WORK_TIME_RATIO = 3, 0.85
 # checks a row or more of each block, at a different place in each.
 CHECKED_ROW_STEP = 61
 
-BLOCK_RULE, WIDEST, BLOCK_LIMIT = rules.reductions(ONLINE)
-MEMORY_RULE, LARGEST, MEMORY_LIMIT = rules.memory(FORWARD)
-KEYS_IN_BLOCKS, WIDEST_OVER_KEYS, KEYS_LIMIT = rules.keys_in_blocks(FORWARD)
-WORK_RULE, CAUSAL_FLOPS, FULL_FLOPS, RATIO_ALLOWED = rules.work()
+BLOCK_RULE, MEMORY_RULE, WORK_RULE = judge.reductions(ONLINE), judge.memory(FORWARD), judge.work()
+KEYS_IN_BLOCKS = judge.keys_in_blocks(FORWARD)
 
 # The axes of the hidden tests (their values are the test ids).
 LENGTHS = ("L < S", "L = S", "L > S")
@@ -131,28 +136,6 @@ def random_attention(draw: Draw, lengths: str, edges: str, causal: bool, blocks:
     return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes")
 
 
-def call_text(function: str, arguments: str, options: dict) -> str:
-    return f"{function}({arguments}{''.join(f', {name}={value!r}' for name, value in options.items())})"
-
-
-def options_of(inputs: Inputs) -> dict:
-    return {name: inputs[name] for name in OPTIONS if name in inputs.values}
-
-
-def memory_limit(inputs: Inputs) -> int:
-    """max(q.numel(), k.numel(), v.numel(), B*H*block_q*block_k), the memory rule's bound."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    B, H = q.shape[:2]
-    block_q, block_k = inputs.get("block_q", DEFAULT_BLOCK), inputs.get("block_k", DEFAULT_BLOCK)
-    return max(q.numel(), k.numel(), v.numel(), B * H * block_q * block_k)
-
-
-def forward_call(functions, inputs: Inputs, **override) -> tuple:
-    options = {**options_of(inputs), **override}
-    result = functions.flash_attention_forward(inputs["q"], inputs["k"], inputs["v"], **options)
-    return pair(result, call_text(FORWARD, "q, k, v", options), "(out, lse)")
-
-
 def rows_attending_nothing(L: int, S: int) -> str:
     return f"L > S: the first {L - S} rows attend nothing (out 0, lse -inf)"
 
@@ -185,48 +168,12 @@ def assert_attention(got, expected, inputs: Inputs) -> None:
 
 # Probes.
 
-@adapter
-def softmaxes(functions, inputs: Inputs) -> dict:
-    return {f"online_softmax(x, {size})": functions.online_softmax(inputs["x"], size) for size in inputs["block_sizes"]}
-
-
-@adapter
-def softmax_reductions(functions, inputs: Inputs) -> dict:
-    with rules.Reductions() as reductions:
-        functions.online_softmax(inputs["x"], inputs["block_size"])
-    return {WIDEST: reductions.widest, f"{WIDEST} (call)": reductions.widest_call, BLOCK_LIMIT: inputs["block_size"]}
-
-
-@adapter
-def forward(functions, inputs: Inputs) -> dict:
-    out, lse = forward_call(functions, inputs)
-    return {"out": out, "lse": lse}
-
 
 @oracle(of=forward)
 def forward_by_definition(inputs: Inputs) -> dict:
     """out and lse in float64 by the definition: the solution's tiles cost the grader more."""
     out, lse = attention_by_definition(inputs["q"], inputs["k"], inputs["v"], inputs.get("causal", False))
     return {"out": out, "lse": lse}
-
-
-@adapter
-def forward_memory(functions, inputs: Inputs) -> dict:
-    with rules.Footprint() as footprint, rules.Reductions() as reductions:
-        out, lse = forward_call(functions, inputs)
-    return {"out": out, "lse": lse, LARGEST: footprint.largest, MEMORY_LIMIT: memory_limit(inputs),
-            WIDEST_OVER_KEYS: reductions.widest, f"{WIDEST_OVER_KEYS} (call)": reductions.widest_call,
-            KEYS_LIMIT: max(inputs.get("block_k", DEFAULT_BLOCK), inputs["q"].shape[-1])}
-
-
-@adapter
-def forward_work(functions, inputs: Inputs) -> dict:
-    flops = {}
-    for causal in (False, True):
-        with rules.Footprint() as footprint:
-            out, lse = forward_call(functions, inputs, causal=causal)
-        flops[causal] = footprint.matmul_flops
-    return {"out": out, "lse": lse, CAUSAL_FLOPS: flops[True], FULL_FLOPS: flops[False], RATIO_ALLOWED: WORK_RATIO}
 
 
 # Visible cases.
@@ -321,7 +268,7 @@ def assert_attention_rows(got: dict, inputs: Inputs, rows: torch.Tensor) -> None
 
 def assert_whole_scores_kept(peak: CallCost, call: str, inputs: Inputs) -> None:
     B, H, L, _ = inputs["q"].shape
-    problems = rules.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
+    problems = judge.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
     if problems:
         raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
 
@@ -341,16 +288,6 @@ def softmax_random(draw: Draw, width: str) -> Inputs:
         block_size = columns + draw.choice([0, draw.integer(1, 32)])
     x = draw.normal(draw.integer(1, 3), draw.integer(1, 4), columns, scale=10.0)
     return Inputs({"x": x, "block_sizes": [block_size]}, f"{columns} columns in blocks of {block_size}")
-
-
-EXERCISE = Exercise(
-    id="flash_forward",
-    assignment="flash",
-    title="Online softmax and the tiled forward pass",
-    required=(ONLINE, FORWARD),
-    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    rules_in_process=True,
-)
 
 
 # The tests.
@@ -522,7 +459,7 @@ def test_work_measured_from_outside(submission, draw):
         if len(costs[causal]) == 1:
             assert_attention_rows(got, called, torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP))
     blocks = {name: value for name, value in options_of(inputs).items() if name != "causal"}
-    problems = rules.work_time(call_text(FORWARD, "q, k, v", blocks), costs[True], costs[False],
+    problems = judge.work_time(call_text(FORWARD, "q, k, v", blocks), costs[True], costs[False],
                                WORK_TIME_RATIO)
     if problems:
         raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))

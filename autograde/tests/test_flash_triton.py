@@ -12,15 +12,13 @@ here; float16 is graded only where the contract grades it, on a GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from autograde import rules
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, pair
-from autograde.testing import adapter, assert_rule, assert_same, oracle
+from autograde.cases import Draw, Inputs
+from autograde.exercises.flash_triton import LAUNCHES, OUTSIDE, TRITON, WRITTEN, triton_attention
+from autograde.rules import judge
+from autograde.testing import assert_rule, assert_same, oracle
 from autograde.tests.test_flash_forward import (
     CAUSAL,
     HEAD_DIMS,
@@ -30,47 +28,12 @@ from autograde.tests.test_flash_forward import (
     rows_attending_nothing,
 )
 
-TRITON = "flash_attention_triton"
-# Triton chooses to interpret when it is first imported, and decorates its own library then.
-# This process may run a kernel (a learner's `check()`, the release's recording of the solution),
-# so it chooses now, before anything imports Triton
-# (`torch.utils.flop_counter` does): interpreted without a CUDA GPU. The fork server and the
-# worker are told through the exercise's `env`, so that the fork server never asks the driver,
-# whose threads would make its forks unsafe.
-if "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
-INTERPRET = {"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"]}
-LAUNCH_RULE, LAUNCHES, WRITTEN, OUTSIDE = rules.launched(TRITON)
+LAUNCH_RULE = judge.launched(TRITON)
 MAX_LENGTH = 192  # three blocks of 64; the interpreter takes about half the time of 256
 # The axes of the hidden tests (their values are the test ids).
 EDGES = ("ragged lengths", "lengths multiples of 64")
 TRITON_CASES = {f"{lengths}, {edges}, {causal}": (lengths, edges, causal)
                 for lengths in LENGTHS for edges in EDGES for causal in CAUSAL}
-
-
-def on_device() -> str:
-    return "cpu" if INTERPRET["TRITON_INTERPRET"] == "1" else "cuda"
-
-
-@adapter
-def triton_attention(functions, inputs: Inputs) -> dict:
-    device = on_device()
-    # float32 on both sides: the reference receives the inputs in float64, but its kernel, like
-    # the learner's, keeps float32 accumulators, made for float16 and float32 inputs.
-    q, k, v = (inputs[name].to(device=device, dtype=torch.float32) for name in ("q", "k", "v"))
-    with rules.Reductions() as outside, rules.TritonLaunches() as launches:
-        result = functions.flash_attention_triton(q, k, v, causal=inputs["causal"])
-    out, lse = pair(result, f"{TRITON}(q, k, v, causal={inputs['causal']!r})", "(out, lse)")
-    written = [name for name, tensor in (("out", out), ("lse", lse))
-               if isinstance(tensor, torch.Tensor) and launches.wrote(tensor)]
-    for name, tensor in (("out", out), ("lse", lse)):
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != device:
-            raise ContractError(f"`{name}` is on {tensor.device.type}; it should be on {device}, with q")
-    # Observed on the CPU, where the expected values are.
-    return {"out": out.cpu() if isinstance(out, torch.Tensor) else out,
-            "lse": lse.cpu() if isinstance(lse, torch.Tensor) else lse, LAUNCHES: launches.count,
-            WRITTEN: " and ".join(written) or "neither",
-            OUTSIDE: outside.widest, f"{OUTSIDE} (call)": outside.widest_call}
 
 
 @oracle(of=triton_attention)
@@ -122,18 +85,6 @@ def random_sizes(draw: Draw, lengths: str, edges: str, causal: bool) -> Inputs:
     L, S = draw_lengths(draw, lengths, edges)
     values = triton_inputs(draw, draw.integer(1, 2), draw.integer(1, 2), L, S, draw.choice(HEAD_DIMS), causal)
     return Inputs(values, rows_attending_nothing(L, S) if causal and L > S else "random sizes")
-
-
-EXERCISE = Exercise(
-    id="flash_triton",
-    assignment="flash",
-    title="FlashAttention forward in Triton",
-    required=(TRITON,),
-    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-    env=INTERPRET,
-    gpu=True,  # compiled kernels run on the GPU where there is one
-    rules_in_process=True,
-)
 
 
 # The tests.

@@ -10,19 +10,20 @@ in float32 and float64; mha_to_gqa's biases and the layout converted to; kv_cach
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import pytest
 import torch
-from torch import nn
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError
-from autograde.testing import adapter, assert_same, constructor_errors, learner_module, load_layers, structure_of
-from autograde.tests.test_mha import PROJECTIONS
+from autograde.cases import Draw, Inputs
+from autograde.exercises.gqa import (
+    BYTES,
+    CONVERT,
+    MODULE,
+    REPEAT,
+    projection_shapes,
+)
+from autograde.testing import assert_same
 from autograde.tests.test_sdpa import bottom_right_causal, random_mask
 
-REPEAT, MODULE, CONVERT, BYTES = "repeat_kv", "GroupedQueryAttention", "mha_to_gqa", "kv_cache_bytes"
 # Pairs (num_heads, num_kv_heads) with 1 < num_kv_heads < num_heads: neither MHA nor MQA.
 GROUPED = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4), (12, 4)]
 # (num_layers, num_kv_heads, head_dim) of LLaMA-2 7B (MHA), LLaMA-2 70B (GQA-8) and PaLM 540B (MQA).
@@ -37,23 +38,6 @@ ELEMENT_SIZES = ("bytes_per_element by default", "bytes_per_element given")
 ATTENTION_CASES = {f"{layout}, {bias}, {mask}": (layout, bias, mask)
                    for layout in LAYOUTS for bias in BIASES for mask in MASKS}
 CONVERSION_CASES = {f"to {layout}, {bias}": (layout, bias) for layout in LAYOUTS for bias in BIASES}
-
-
-def projection_shapes(d_model: int, num_heads: int, num_kv_heads: int) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of GroupedQueryAttention."""
-    kv_width = num_kv_heads * (d_model // num_heads)
-    return {"q_proj": (d_model, d_model), "k_proj": (d_model, kv_width),
-            "v_proj": (d_model, kv_width), "o_proj": (d_model, d_model)}
-
-
-def linear_text(in_features: int, out_features: int, bias: bool) -> str:
-    return f"nn.Linear({in_features}, {out_features}, bias={bias})"
-
-
-def projection_texts(d_model: int, num_heads: int, num_kv_heads: int, bias: bool) -> dict[str, str]:
-    """Each projection as `describe_layer` names it."""
-    return {name: linear_text(in_features, out_features, bias)
-            for name, (in_features, out_features) in projection_shapes(d_model, num_heads, num_kv_heads).items()}
 
 
 def projection_weights(draw: Draw, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, dtype) -> dict:
@@ -83,87 +67,6 @@ def module_inputs(x: torch.Tensor, d_model: int, num_heads: int, num_kv_heads: i
 
 
 # Probes.
-
-@adapter
-def repeats(functions, inputs: Inputs) -> dict:
-    return {f"repeat_kv({name} of shape {tuple(inputs[name].shape)}, {n_rep})": functions.repeat_kv(inputs[name], n_rep)
-            for name, n_rep in inputs["calls"]}
-
-
-@adapter
-def structure(functions, inputs: Inputs) -> dict:
-    d_model, num_heads, num_kv_heads = inputs["d_model"], inputs["num_heads"], inputs["num_kv_heads"]
-    outputs = {}
-    for bias in (True, False):
-        module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
-        call = f"GroupedQueryAttention({d_model}, {num_heads}, {num_kv_heads}, bias={bias})"
-        outputs |= structure_of(module, call, PROJECTIONS, ("num_heads", "num_kv_heads", "head_dim"))
-    return outputs
-
-
-value_errors = constructor_errors("GroupedQueryAttention")
-
-
-def build_module(functions, inputs: Inputs) -> nn.Module:
-    """The learner's module, holding the case's weights, in the dtype of `x`."""
-    d_model, num_heads, num_kv_heads, bias = (inputs[k] for k in ("d_model", "num_heads", "num_kv_heads", "bias"))
-    module = functions.GroupedQueryAttention(d_model, num_heads, num_kv_heads, bias=bias)
-    module = learner_module(module, "GroupedQueryAttention").to(inputs["x"].dtype)
-    load_layers(module, "GroupedQueryAttention", projection_texts(d_model, num_heads, num_kv_heads, bias), inputs)
-    return module
-
-
-@adapter
-def attention(functions, inputs: Inputs) -> dict:
-    module = build_module(functions, inputs)
-    mask = inputs.get("mask")
-    return {"out": module(inputs["x"]) if mask is None else module(inputs["x"], mask=mask)}
-
-
-def state_dict_of(inputs: Inputs) -> dict:
-    return {name: value for name, value in inputs.values.items() if name.endswith(("weight", "bias"))}
-
-
-@adapter
-def converted(functions, inputs: Inputs) -> dict:
-    num_heads, state_dict = inputs["num_heads"], state_dict_of(inputs)
-    outputs = {}
-    for num_kv_heads in inputs["num_kv_heads"]:
-        call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
-        result = functions.mha_to_gqa({name: value.clone() for name, value in state_dict.items()},
-                                      num_heads, num_kv_heads)
-        if not isinstance(result, Mapping):
-            raise ContractError(f"{call} should return a dict; it returned a {type(result).__name__}")
-        outputs[f"{call}.keys()"] = ", ".join(sorted(map(str, result)))
-        for name in state_dict:
-            outputs[f"{call}[{name!r}]"] = result.get(name)
-    return outputs
-
-
-@adapter
-def callers_state_dict(functions, inputs: Inputs) -> dict:
-    """Whether mha_to_gqa returned a new dict and left the one it was given (keys and tensors) as it was."""
-    num_heads, state_dict = inputs["num_heads"], state_dict_of(inputs)
-    outputs = {}
-    for num_kv_heads in inputs["num_kv_heads"]:
-        call = f"mha_to_gqa(state_dict, {num_heads}, {num_kv_heads})"
-        given = {name: value.clone() for name, value in state_dict.items()}
-        result = functions.mha_to_gqa(given, num_heads, num_kv_heads)
-        outputs[f"{call} returns a new dict"] = isinstance(result, Mapping) and result is not given
-        outputs[f"{call} leaves state_dict unchanged"] = given.keys() == state_dict.keys() and all(
-            isinstance(given[name], torch.Tensor) and given[name].shape == state_dict[name].shape
-            and torch.equal(given[name], state_dict[name]) for name in state_dict)
-    return outputs
-
-
-@adapter
-def cache_sizes(functions, inputs: Inputs) -> dict:
-    outputs = {}
-    for args, bytes_per_element in inputs["calls"]:
-        keyword = {} if bytes_per_element is None else {"bytes_per_element": bytes_per_element}
-        shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in keyword.items())])
-        outputs[f"kv_cache_bytes({shown})"] = functions.kv_cache_bytes(*args, **keyword)
-    return outputs
 
 
 # Visible cases.
@@ -253,15 +156,6 @@ def cache_bytes_random_inputs(draw: Draw, element_size: str) -> Inputs:
                draw.integer(1, 2**17), draw.integer(1, 64)), bytes_per_element)
              for bytes_per_element in sizes]
     return Inputs({"calls": calls}, "random configurations")
-
-
-EXERCISE = Exercise(
-    id="gqa",
-    assignment="gqa",
-    title="Multi-query and grouped-query attention",
-    required=(REPEAT, MODULE, CONVERT, BYTES),
-    not_allowed=NOT_ALLOWED_ATTENTION,
-)
 
 
 # The tests.

@@ -18,16 +18,10 @@ import math
 import pytest
 import torch
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, kind_of
-from autograde.testing import adapter, assert_same
+from autograde.cases import Draw, Inputs
+from autograde.exercises.paged_kv import APPEND, ATTENTION, ELSEWHERE, WRITTEN
+from autograde.testing import assert_same
 from autograde.tests.test_gqa import LAYOUTS, layout_heads
-
-APPEND, ATTENTION = "append_to_paged_cache", "paged_attention"
-CACHE = ("k_pages", "v_pages", "block_table", "seq_lens")
-WRITTEN = ("keys in the new slots", "values in the new slots")
-ELSEWHERE = ("k_pages outside the new slots", "v_pages outside the new slots", "block_table after the call",
-             "seq_lens after the call")
 
 # The axes of the hidden tests (their values are the test ids).
 TABLES = ("pages in order", "pages shuffled", "a shared prefix")
@@ -40,58 +34,7 @@ ATTENTION_CASES = {f"{table}, {ends}, {layout}": (table, ends, layout)
 RANDOM_PAGE_SIZES = (2, 4, 5, 8)
 
 
-def checked_tensor(value, call: str, shape: tuple[int, ...]) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ContractError(f"{call} returned {kind_of(value)}, not a tensor")
-    if tuple(value.shape) != shape:
-        raise ContractError(f"{call} returned a tensor of shape {tuple(value.shape)}; expected {shape}")
-    return value
-
-
-def new_slots(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The page and the slot of position seq_lens[b] of each sequence b."""
-    page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"]
-    return inputs["block_table"][torch.arange(len(lengths)), lengths // page_size], lengths % page_size
-
-
 # Probes.
-
-@adapter
-def appended(functions, inputs: Inputs) -> dict:
-    """append_to_paged_cache on copies of the case's cache: the new slots, and everything else, after the call."""
-    k_pages, v_pages, table, lengths = (inputs[name].clone() for name in CACHE)
-    functions.append_to_paged_cache(k_pages, v_pages, table, lengths, inputs["k_new"].clone(),
-                                    inputs["v_new"].clone())
-    pages, slots = new_slots(inputs)
-    kept = torch.ones(k_pages.shape[0], 1, k_pages.shape[2], 1, dtype=torch.bool)
-    kept[pages, 0, slots] = False
-    return dict(zip(WRITTEN + ELSEWHERE, (k_pages[pages, :, slots], v_pages[pages, :, slots],
-                                          torch.where(kept, k_pages, 0.0), torch.where(kept, v_pages, 0.0),
-                                          table, lengths)))
-
-
-@adapter
-def attended(functions, inputs: Inputs) -> dict:
-    arguments = {name: inputs[name].clone() for name in ("q", *CACHE)}
-    out = functions.paged_attention(*arguments.values())
-    kept = all(torch.equal(value, inputs[name]) for name, value in arguments.items())
-    return {"out": out, "paged_attention(q, k_pages, v_pages, block_table, seq_lens) leaves them unchanged": kept}
-
-
-@adapter
-def decoded(functions, inputs: Inputs) -> dict:
-    """At each step: append the step's token to every sequence, count it, and attend with the step's query."""
-    k_pages, v_pages, table, lengths = (inputs[name].clone() for name in CACHE)
-    steps, batch, heads, width = inputs["q"].shape
-    outputs = []
-    for step in range(steps):
-        functions.append_to_paged_cache(k_pages, v_pages, table, lengths, inputs["k_new"][step].clone(),
-                                        inputs["v_new"][step].clone())
-        lengths = lengths + 1  # the caller's count: append_to_paged_cache leaves seq_lens as it is
-        out = functions.paged_attention(inputs["q"][step].clone(), k_pages, v_pages, table, lengths)
-        outputs.append(checked_tensor(out, f"paged_attention(q[{step}], ...) after step {step}",
-                                      (batch, heads, width)))
-    return {"out at each step": torch.stack(outputs), "k_pages at the end": k_pages, "v_pages at the end": v_pages}
 
 
 # Inputs.
@@ -219,15 +162,6 @@ def page_size_inputs(draw: Draw, page_size: int) -> Inputs:
         lengths[0] = length_ending(draw, "mid-page", page_size, 1)
     cache = paged_cache(draw, lengths, page_size, H_kv, d, torch.float64, table="pages shuffled")
     return Inputs({"q": draw.normal(B, H, d), **cache}, f"page size {page_size}")
-
-
-EXERCISE = Exercise(
-    id="paged_kv",
-    assignment="decoding",
-    title="A paged KV cache",
-    required=(APPEND, ATTENTION),
-    not_allowed=NOT_ALLOWED_ATTENTION,
-)
 
 
 # The tests.

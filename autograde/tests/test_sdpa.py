@@ -19,12 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, pair
-from autograde.testing import adapter, assert_same, returned_pair
-
-ATTENTION = "scaled_dot_product_attention"
-CAUSAL = "causal_mask"
+from autograde.cases import Draw, Inputs
+from autograde.exercises.sdpa import ATTENTION, CAUSAL
+from autograde.testing import assert_same, returned_pair
 
 # The axes of the hidden tests (their values are the test ids). Each test's points are shared by its cases in
 # amounts that binary floating point holds exactly, so that the points of every case add up to 10.
@@ -97,40 +94,6 @@ def widths(draw: Draw, low: int = 2, high: int = 16) -> tuple[int, int]:
     """(d_k, d_v), different, d_k at least 2 (a width of 1 hides a missing scale)."""
     d_k = draw.integer(low, high)
     return d_k, draw.choice([d for d in range(1, high + 1) if d != d_k])
-
-
-def call_text(inputs: Inputs) -> str:
-    return "scaled_dot_product_attention(q, k, v" + (", mask=mask)" if "mask" in inputs.values else ")")
-
-
-@adapter
-def attend(functions, inputs: Inputs) -> dict:
-    mask = {"mask": inputs["mask"]} if "mask" in inputs.values else {}
-    out, weights = pair(functions.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"], **mask),
-                        call_text(inputs))
-    return {"out": out, "weights": weights}
-
-
-@adapter
-def gradients(functions, inputs: Inputs) -> dict:
-    """The gradients of (out * dout).sum() with respect to q, k and v, computed where the learner's code runs."""
-    q, k, v = (inputs[name].clone().requires_grad_(True) for name in ("q", "k", "v"))
-    mask = {"mask": inputs["mask"]} if "mask" in inputs.values else {}
-    out, _ = pair(functions.scaled_dot_product_attention(q, k, v, **mask), call_text(inputs))
-    if not isinstance(out, torch.Tensor) or not out.requires_grad:
-        raise ContractError(f"{call_text(inputs)} returned an `out` that autograd cannot trace back to q, k and v")
-    (out * inputs["dout"]).sum().backward()
-    return {"q.grad": q.grad, "k.grad": k.grad, "v.grad": v.grad}
-
-
-@adapter
-def causal_masks(functions, inputs: Inputs) -> dict:
-    """causal_mask(*args) for each of `calls`, and causal_mask(*args, device=...) for each of `device_calls`."""
-    masks = {f"causal_mask({', '.join(map(repr, args))})": functions.causal_mask(*args) for args in inputs["calls"]}
-    for args in inputs.get("device_calls", []):
-        masks[f"causal_mask({', '.join(map(repr, args))}, device={inputs['device']!r})"] = functions.causal_mask(
-            *args, device=inputs["device"])
-    return masks
 
 
 # Inputs of the visible tests.
@@ -230,15 +193,6 @@ def random_causal(draw: Draw) -> Inputs:
     device_calls = [causal_arguments(draw, lengths) for lengths in CAUSAL_LENGTHS]
     return Inputs({"calls": calls, "device_calls": device_calls, "device": "cpu"},
                   "L < S, L = S, L > S and S left to its default; device left to its default and given")
-
-
-EXERCISE = Exercise(
-    id="sdpa",
-    assignment="attention",
-    title="Scaled dot-product attention",
-    required=(ATTENTION, CAUSAL),
-    not_allowed=NOT_ALLOWED_ATTENTION,
-)
 
 
 # The tests.

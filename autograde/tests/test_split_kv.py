@@ -17,13 +17,10 @@ import math
 import pytest
 import torch
 
-from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX, Draw, Exercise, Inputs
-from autograde.sandbox.observe import ContractError, kind_of, pair
-from autograde.testing import adapter, assert_same
+from autograde.cases import Draw, Inputs
+from autograde.exercises.split_kv import MERGE, SPLIT
+from autograde.testing import assert_same
 from autograde.tests.test_gqa import LAYOUTS, layout_heads
-
-MERGE, SPLIT = "merge_attention_states", "split_kv_attention"
-RESULTS = ("out", "lse", "partial_out", "partial_lse")
 
 # The axes of the hidden tests (their values are the test ids).
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -42,49 +39,7 @@ LARGE_LSE = {torch.float32: (105.0, 120.0), torch.float64: (800.0, 1000.0)}
 LARGE_SCORE_SHIFT = {torch.float32: (32.0, 12.0), torch.float64: (64.0, 62.5)}  # q[..., 0], k[..., 0]: 96, 1000
 
 
-def chunk_bounds(length: int, num_splits: int) -> list[tuple[int, int]]:
-    """The contract's chunks: ceil(S / num_splits) keys each, the last ones shorter or empty."""
-    size = math.ceil(length / num_splits)
-    return [(min(i * size, length), min((i + 1) * size, length)) for i in range(num_splits)]
-
-
-def chunks_text(length: int, num_splits: int) -> str:
-    return "+".join(str(stop - start) for start, stop in chunk_bounds(length, num_splits))
-
-
 # Probes.
-
-@adapter
-def merges(functions, inputs: Inputs) -> dict:
-    """merge_attention_states on each set of states of the case (`tag`: the suffix of their names)."""
-    outputs = {}
-    for tag in inputs["tags"]:
-        names = [f"{name}{tag}" for name in ("out_a", "lse_a", "out_b", "lse_b")]
-        call = f"{MERGE}({', '.join(names)})"
-        out, lse = pair(functions.merge_attention_states(*(inputs[name].clone() for name in names)), call,
-                        "(out, lse)")
-        outputs[f"{call}: out"], outputs[f"{call}: lse"] = out, lse
-    return outputs
-
-
-@adapter
-def splits(functions, inputs: Inputs) -> dict:
-    """split_kv_attention on each (keys, num_splits, causal) of the case: its four results."""
-    outputs = {}
-    for keys, num_splits, causal in inputs["calls"]:
-        k, v = inputs[f"k{keys}"], inputs[f"v{keys}"]
-        options = ", causal=True" if causal else ""
-        call = f"{SPLIT}(q, k{keys}, v{keys}, {num_splits}{options})"
-        arguments = (inputs["q"].clone(), k.clone(), v.clone(), num_splits)
-        result = functions.split_kv_attention(*arguments, causal=True) if causal else \
-            functions.split_kv_attention(*arguments)
-        if not (isinstance(result, (tuple, list)) and len(result) == 4):
-            raise ContractError(f"{call} must return four values (out, lse, partial_out, partial_lse); "
-                                f"it returned {kind_of(result)}")
-        label = f"{call} (chunks of {chunks_text(k.shape[2], num_splits)} keys)"
-        for name, value in zip(RESULTS, result):
-            outputs[f"{label}: {name}"] = value
-    return outputs
 
 
 # Inputs.
@@ -229,15 +184,6 @@ def large_scores_inputs(draw: Draw, dtype: torch.dtype) -> Inputs:
     values = {"q": q, "k": k, "v": draw.normal(B, H_kv, S, d, dtype=dtype)}
     return Inputs({**values, "calls": [("", num_splits, False), ("", num_splits, True)]},
                   f"scores near {q_shift * k_shift / 4:g}, where exp overflows; {heads_text(H, H_kv)}")
-
-
-EXERCISE = Exercise(
-    id="split_kv",
-    assignment="decoding",
-    title="Split-KV decoding (FlashDecoding)",
-    required=(MERGE, SPLIT),
-    not_allowed=NOT_ALLOWED_ATTENTION + NOT_ALLOWED_SOFTMAX,
-)
 
 
 # The tests.

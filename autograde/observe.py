@@ -23,7 +23,7 @@ MESSAGE_CHARS = 400
 WIDENED = {torch.bfloat16: torch.float32}
 _TRUSTED_DIRS = tuple(
     str(Path(p).resolve())
-    for p in {Path(__file__).parents[1], *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))}
+    for p in {Path(__file__).parent, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))}
 )
 
 
