@@ -15,8 +15,12 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.cases import Draw
 from autograde.grading import batch
+from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import catalogue, max_score
+from autograde.sandbox import client as sandbox
+from autograde.submission import extract
 from autograde.tests import test_window as TESTS
 from tests.fixtures.implementations import Variant, cases, fs, variant_id
 from tests.fixtures.notebooks import (
@@ -24,6 +28,7 @@ from tests.fixtures.notebooks import (
     SEED,
     failed,
     graded_on_seed,
+    learner_notebook,
     lost,
     on_every_seed,
     replaced,
@@ -110,10 +115,11 @@ WRONG = [
     Variant("wrapped-slots-positions-wrong", "window", {CACHE: replaced(
         "window", CACHE, ("self.positions[order]", "torch.arange(len(order))"))},
         fs("rolling-cache"), cases("cache-random", CACHES, lambda *axes: True)),
-    # Right keys and values, but every token appended is kept as well.
+    # Right keys and values, but every token appended is kept as well: the memory measured from outside shows it.
     Variant("keeps-every-token", "window", {CACHE: replaced(
         "window", CACHE, (LOOP, "        self.seen = getattr(self, 'seen', []) + [k, v]\n" + LOOP))},
-        fs("cache-storage"), cases("cache-random", CACHES, lambda *axes: True)),
+        fs("cache-storage"),
+        cases("cache-random", CACHES, lambda *axes: True) | {"cache-storage-measured-from-outside"}),
     # Right keys and values, in new tensors at every append.
     Variant("allocates-at-every-append", "window", {CACHE: replaced(
         "window", CACHE, (LOOP, "        self.k, self.v = self.k.clone(), self.v.clone()\n" + LOOP))},
@@ -195,6 +201,35 @@ def test_the_solution_keeps_full_marks_on_every_seed(seed):
     results = graded_on_seed("window", None, seed)
     assert (seed, failed(results)) == (seed, set())
     assert sum(result.points for result in results.values()) == 10
+
+
+def outside_growth(answers: dict[str, str], seed: int) -> float:
+    """The memory the hidden storage case measures from outside the sandboxed worker, on `seed`'s inputs,
+    over the bytes of the cache's slots."""
+    cells = extract.code_cells(learner_notebook("window", answers))
+    submission = SandboxedSubmission(exercises.get("window"), [(c.number, c.source) for c in cells],
+                                     sandbox.Limits(wall_seconds=120))
+    try:
+        draw = Draw(seed)
+        submission.filled(TESTS.outside_inputs(draw, window=64))  # run once, not measured
+        inputs = TESTS.outside_inputs(draw)
+        with submission.cost_measured() as cost:
+            submission.filled(inputs)
+    finally:
+        submission.close()
+    assert not cost.problem, cost.problem
+    return cost.growth_bytes / ((inputs["sinks"] + inputs["window"]) * TESTS.token_bytes(inputs))
+
+
+@pytest.mark.slow
+def test_the_outside_storage_case_separates_right_from_wrong_by_wide_margins_on_five_seeds():
+    """Measured in the sandbox as graded: the solution's cache gains about 1.5x its slots' bytes, one that
+    keeps every token 11x; the rule allows 6x."""
+    keeps = next(variant for variant in WRONG if variant.name == "keeps-every-token")
+    growth = {name: [outside_growth(answers, seed) for seed in range(1, 6)]
+              for name, answers in (("solution", {}), ("keeps-every-token", keeps.answers))}
+    assert max(growth["solution"]) <= TESTS.OUTSIDE_ALLOWED / 2, growth
+    assert min(growth["keeps-every-token"]) >= 1.5 * TESTS.OUTSIDE_ALLOWED, growth
 
 
 # The reference against oracles.

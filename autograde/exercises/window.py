@@ -99,6 +99,21 @@ def rolled(functions, inputs: Inputs) -> dict:
     return outputs
 
 
+@adapter
+def filled(functions, inputs: Inputs) -> dict:
+    """A cache of the case's size fed `appends` chunks of `chunk` tokens of keys and values drawn here, from
+    the case's `seed` (many windows of tokens: more than the grader sends), in float32; the sandbox measures
+    from outside how far the memory of the learner's processes rose meanwhile. Values are others' business."""
+    batch, kv_heads, head_dim = inputs["batch"], inputs["kv_heads"], inputs["head_dim"]
+    cache = functions.RollingKVCache(batch, kv_heads, inputs["window"], head_dim, sinks=inputs["sinks"],
+                                     dtype=torch.float32)
+    generator = torch.Generator().manual_seed(inputs["seed"])
+    shape = (batch, kv_heads, inputs["chunk"], head_dim)
+    for _ in range(inputs["appends"]):
+        cache.append(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    return {"tokens appended": inputs["appends"] * inputs["chunk"]}
+
+
 EXERCISE = Exercise(
     id="window",
     assignment="windows",

@@ -79,6 +79,22 @@ def whole_scores(call: str, peak: CallCost, scores: int) -> list[str]:
             "Keep one block of scores at a time, and do not keep the blocks either."]
 
 
+def rolling_storage(call: str, cost: CallCost, slots_bytes: int, appended_bytes: int, allowed: float) -> list[str]:
+    """The problems with `cost`, measured during `call`, which fed a rolling cache `appended_bytes` of keys and
+    values: the memory its processes gained must stay within `allowed` times the `slots_bytes` of the cache's
+    slots. The slots and the chunk being appended take about 1.5x; keeping the tokens appended, 10 windows of
+    them, takes 11x; reallocating the slots at every append, up to about 4x."""
+    if cost.problem:
+        return [f"storage rule: {cost.problem}"]
+    if cost.growth_bytes is not None and cost.growth_bytes <= allowed * slots_bytes:
+        return []
+    return [f"storage rule broken: during {call} your notebook's processes gained {cost.growth_bytes / 2**20:.0f} MiB "
+            f"of memory ({cost.where}), {cost.growth_bytes / slots_bytes:.1f}x the {slots_bytes / 2**20:.0f} MiB of "
+            f"the cache's slots; at most {allowed:g}x is allowed, and the {appended_bytes / 2**20:.0f} MiB appended "
+            "would not fit. Keep the sinks and the last `window` tokens in slots allocated once, and let the "
+            "tokens that leave the window go."]
+
+
 def work_time(call: str, causal: list[CallCost], full: list[CallCost], allowed: float) -> list[str]:
     """The problems with the CPU time of `call` measured with causal=True (`causal`) and with
     causal=False (`full`), a few times each, alternately: the fastest causal call must take at most

@@ -77,7 +77,7 @@ def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: t
             "dout": draw.normal(B, H, L, d, dtype=dtype), "causal": causal, **blocks}
 
 
-# Probes.
+# Oracles.
 
 
 @oracle(of=backward)

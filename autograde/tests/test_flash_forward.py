@@ -166,7 +166,7 @@ def assert_attention(got, expected, inputs: Inputs) -> None:
         raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
 
 
-# Probes.
+# Oracles.
 
 
 @oracle(of=forward)

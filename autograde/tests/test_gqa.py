@@ -66,9 +66,6 @@ def module_inputs(x: torch.Tensor, d_model: int, num_heads: int, num_kv_heads: i
             **weights}
 
 
-# Probes.
-
-
 # Visible cases.
 
 def repeat_inputs(draw: Draw) -> Inputs:

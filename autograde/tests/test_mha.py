@@ -35,9 +35,6 @@ ATTENTION_CASES = {f"{kind}, {mask}, {bias}, {heads}": (kind, mask, bias, heads)
 DEFAULTS = ("key and value left to their defaults", "value left to its default")
 
 
-# Probes.
-
-
 # Inputs.
 
 def projection_weights(draw: Draw, d_model: int, bias: bool, dtype) -> dict:

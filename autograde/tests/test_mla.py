@@ -93,9 +93,6 @@ def latent_values(draw: Draw, x: torch.Tensor, num_heads: int, head_dim: int, kv
     return values
 
 
-# Probes.
-
-
 # Visible cases.
 
 def structure_inputs(draw: Draw, rotary: bool) -> Inputs:

@@ -34,9 +34,6 @@ ATTENTION_CASES = {f"{table}, {ends}, {layout}": (table, ends, layout)
 RANDOM_PAGE_SIZES = (2, 4, 5, 8)
 
 
-# Probes.
-
-
 # Inputs.
 
 def paged_cache(draw: Draw, lengths: list[int], page_size: int, kv_heads: int, width: int, dtype,

@@ -36,9 +36,6 @@ def positions_tensor(draw: Draw, shape: tuple[int, ...], high: int, dtype=torch.
     return torch.randint(low, high, shape, generator=draw.generator, dtype=torch.int64).to(dtype)
 
 
-# Probes.
-
-
 # Visible cases.
 
 def rotation_inputs(draw: Draw, interleaved: bool) -> Inputs:

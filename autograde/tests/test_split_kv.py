@@ -39,9 +39,6 @@ LARGE_LSE = {torch.float32: (105.0, 120.0), torch.float64: (800.0, 1000.0)}
 LARGE_SCORE_SHIFT = {torch.float32: (32.0, 12.0), torch.float64: (64.0, 62.5)}  # q[..., 0], k[..., 0]: 96, 1000
 
 
-# Probes.
-
-
 # Inputs.
 
 def states(draw: Draw, shape: tuple[int, ...], dtype, low: float = -3.0, high: float = 3.0) -> dict:
