@@ -105,7 +105,7 @@ def observed(values: Mapping[str, torch.Tensor]) -> dict:
 
 
 def assert_rule(got: dict, expected: dict, rule, inputs: Inputs | None = None) -> None:
-    """The learner's measurements in `got` keep `rule` (an `autograde.rules.Rule`), whatever the values."""
+    """The learner's measurements in `got` keep `rule` (an `autograde.rules.judge.Rule`), whatever the values."""
     if not isinstance(got, dict):
         raise AssertionError(f"{rule.name} rule: expected measurements, got {describe(got)}")
     missing = [key for key in rule.keys if key not in got]

@@ -324,7 +324,7 @@ MARGIN_ANSWERS = {"solution": {}, "masks-in-numpy": {"flash_attention_forward": 
 def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float]:
     """flash_forward's two cases measured from outside, as the hidden tests measure them, on `seed`'s
     inputs: the causal/full ratio of the fastest CPU times, and the memory gained and touched over
-    what `rules.whole_scores` allows."""
+    what `rules.judge.whole_scores` allows."""
     exercise = registry.get("flash_forward")
     cells = extract.code_cells(learner_notebook("flash_forward", answers))
     submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
