@@ -101,7 +101,6 @@ EVERY_BACKWARD_CASE = cases("backward-random", BACKWARD_RANDOM) | cases("backwar
 
 WHOLE = frozenset({"whole-scores-measured-from-outside"})  # the hidden case whose memory is measured from outside
 WORK_TIME = frozenset({"work-measured-from-outside"})  # flash_forward's hidden case whose CPU time is measured
-ONLINE = answer("flash_forward", "online_softmax")
 FORWARD = answer("flash_forward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")

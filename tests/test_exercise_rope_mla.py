@@ -55,7 +55,6 @@ ATTENTION = fs(*(f"rotary-attention[{case}]" for case in ("MQA, default base", "
 DECODE = fs("decode-token-by-token", "decode-chunked-prefill", "decode-given-cache[empty cache (t = 0)]",
             "decode-given-cache[cache of 4 tokens]")
 DECODE_HIDDEN = fs("decode-random", "decode-long")
-ROTATE_Q = "q = apply_rope(q, positions, base=module.rope_base)\n"
 ROTATE_K = "k = apply_rope(k, positions, base=module.rope_base)  # rotated once, before it is cached\n"
 READ_K = "k.repeat_interleave(group_size, dim=1)"
 
