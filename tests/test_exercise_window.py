@@ -120,10 +120,13 @@ WRONG = [
         "window", CACHE, (LOOP, "        self.seen = getattr(self, 'seen', []) + [k, v]\n" + LOOP))},
         fs("cache-storage"),
         cases("cache-random", CACHES, lambda *axes: True) | {"cache-storage-measured-from-outside"}),
-    # Right keys and values, in new tensors at every append.
+    # Right keys and values, in new tensors at every append. Its peak memory lies between the solution's and
+    # the outside case's bound (3.4-3.9x the slots through the sandbox); in this test process, whose heap the
+    # earlier tests have cut up, it may cross it. The checks in the worker are the ones that must catch it.
     Variant("allocates-at-every-append", "window", {CACHE: replaced(
         "window", CACHE, (LOOP, "        self.k, self.v = self.k.clone(), self.v.clone()\n" + LOOP))},
-        fs("cache-storage"), cases("cache-random", CACHES, lambda *axes: True)),
+        fs("cache-storage"), cases("cache-random", CACHES, lambda *axes: True),
+        hidden_may_fail=fs("cache-storage-measured-from-outside")),
 ]
 
 RIGHT = [
@@ -185,7 +188,7 @@ def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
     results = graded_on_seed(variant.exercise, variant.answers, seed)
     visible, hidden = lost(results)
     assert (seed, visible) == (seed, variant.visible_failures)
-    assert (seed, hidden) == (seed, variant.hidden_failures)
+    assert variant.hidden_failures <= hidden <= variant.hidden_failures | variant.hidden_may_fail, (seed, hidden)
 
 
 @pytest.mark.parametrize("variant", RIGHT, ids=variant_id)
