@@ -27,6 +27,8 @@ def _definitions() -> dict[str, ModuleType]:
     loaded = [importlib.import_module(f"autograde.exercises.{path.stem}")
               for path in sorted(DEFINITIONS.glob("*.py")) if path.stem != "__init__"]
     modules = {module.EXERCISE.id: module for module in loaded if hasattr(module, "EXERCISE")}
+    if not modules:  # a package built without its definitions: say so, rather than know no exercise
+        raise ImportError(f"no exercise definitions in {DEFINITIONS}")
     rank = {name: index for index, name in enumerate(ORDER)}
     return dict(sorted(modules.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))
 
