@@ -189,15 +189,33 @@ def _contain(request: dict, mode: str, group: cgroups.Cgroup | None, status_pipe
         os._exit(71)
 
 
+def _exit_descriptor(pid: int) -> int | None:
+    """A descriptor that `select` finds readable once the child `pid` has ended (Linux 5.3 and
+    later), so that its end is seen at once; None where there is none: its end is polled."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def _wait(pid: int, deadline: float) -> int | None:
     """The wait status of `pid`, or None once the deadline passes."""
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
+    ended = _exit_descriptor(pid)
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if ended is None:
+                time.sleep(min(0.01, left))
+            else:
+                select.select([ended], [], [], left)
+    finally:
+        if ended is not None:
+            os.close(ended)
 
 
 def _kill_all(first: int, uid: int | None, group: cgroups.Cgroup | None) -> None:
@@ -423,17 +441,23 @@ def serve() -> None:
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
     torch.set_num_threads(1)
     running: dict[int, tuple[str, int]] = {}  # supervisor pid -> (request id, read end of its report)
+    ends: dict[int, int | None] = {}  # supervisor pid -> its `_exit_descriptor`
     watches: dict[str, cost.CostWatch] = {}  # request id -> its call's memory, while measured
     pending = b""
     _prepare_cgroups()
     replies.write(json.dumps({"ready": os.getpid(), "mounts": _own_mount_namespace()}) + "\n")
     while True:
-        ready, _, _ = select.select([0], [], [], 0.02)
-        if ready:
+        # Woken by a request or by a supervisor's end (the grader waits for its report); the
+        # timeout only matters where a supervisor's end cannot be selected on.
+        ready, _, _ = select.select([0, *(end for end in ends.values() if end is not None)], [], [], 0.02)
+        if 0 in ready:
             chunk = os.read(0, 65536)
             if not chunk:
                 _stop_every_job(running)
-                break
+                replies.flush()
+                # Everything is cleaned up: the interpreter's own teardown (torch's, triton's) would
+                # keep the grader waiting for a second more.
+                os._exit(0)
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -444,7 +468,12 @@ def serve() -> None:
                     replies.write(json.dumps({"id": request["id"], **cost.watch(request, running, watches)}) + "\n")
                 else:
                     _start(request, running)
+        for pid in running.keys() - ends.keys():
+            ends[pid] = _exit_descriptor(pid)
         _reap(running, replies)
+        for pid in ends.keys() - running.keys():
+            if (ended := ends.pop(pid)) is not None:
+                os.close(ended)
 
 
 def _start(request: dict, running: dict[int, tuple[str, int]]) -> None:
