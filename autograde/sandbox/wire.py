@@ -8,7 +8,6 @@ header (dtype, shape) is checked before its values are loaded, and `numpy.load` 
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -86,14 +85,15 @@ def read_json(path: Path) -> Any:
         raise WireError(f"{path.name} is not valid JSON: {exc}") from None
 
 
-def _npy(path: Path, budget: "_Budget | None" = None) -> tuple[tuple[int, ...], np.dtype, bytes]:
-    """Shape, dtype and bytes of an `.npy` file. The header is read and checked first: its dtype,
-    and that the file's size agrees with it; the values are read only if `budget` allows them."""
+def read_array(path: Path, budget: "_Budget | None" = None) -> np.ndarray:
+    """The array of an `.npy` file. The header is read and checked first: its dtype, and that the
+    file's size agrees with it; the values are read only if `budget` allows them, and into an
+    array directly (numpy's own loader would parse the header again)."""
     with _open_regular(path) as file:
         try:
             version = np.lib.format.read_magic(file)
             reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            shape, _, dtype = reader[version](file, max_header_size=10_000)
+            shape, fortran_order, dtype = reader[version](file, max_header_size=10_000)
         except (ValueError, KeyError, EOFError) as exc:
             raise WireError(f"{path.name} is not an .npy array: {exc}") from None
         if dtype.kind not in ARRAY_KINDS or dtype.hasobject or len(shape) > 16:
@@ -103,18 +103,11 @@ def _npy(path: Path, budget: "_Budget | None" = None) -> tuple[tuple[int, ...], 
             raise WireError(f"{path.name}: its size does not match its header, or is over the limit")
         if budget is not None:
             budget.take(size)
-        header = file.tell()
-        file.seek(0)
-        data = file.read(header + size)
-    return tuple(shape), dtype, data
-
-
-def _load(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def read_array(path: Path) -> np.ndarray:
-    return _load(_npy(path)[2])
+        values = bytearray(size)
+        if file.readinto(values) != size:
+            raise WireError(f"{path.name} changed while it was read")
+    array = np.frombuffer(values, dtype=dtype)
+    return array.reshape(shape[::-1]).transpose() if fortran_order else array.reshape(shape)
 
 
 # Calls: the trusted process sends a call's arguments, the worker sends back what it returned.
@@ -214,12 +207,12 @@ def _tensor_value(item: dict, folder: Path, budget: _Budget) -> TensorValue:
     name = _text(item.get("tensor"), 200)
     if Path(name).name != name or not name.endswith(".npy"):
         raise WireError("a result names a file outside the result folder")
-    shape, dtype, data = _npy(folder / name, budget)
+    array = read_array(folder / name, budget)
     claimed = _text(item.get("dtype"), 40)
     # The header says what the array holds; a label is believed only where numpy has no such dtype.
-    carried = claimed in _CARRIED and _CARRIED[claimed] == dtype
-    actual = claimed if carried else f"torch.{_TORCH_NAMES.get(dtype.str[1:], dtype.name)}"
-    return TensorValue(shape, actual, _text(item.get("device"), 40), _load(data))
+    carried = claimed in _CARRIED and _CARRIED[claimed] == array.dtype
+    actual = claimed if carried else f"torch.{_TORCH_NAMES.get(array.dtype.str[1:], array.dtype.name)}"
+    return TensorValue(array.shape, actual, _text(item.get("device"), 40), array)
 
 
 _TORCH_NAMES = {"b1": "bool", "f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16",
