@@ -52,17 +52,17 @@ def _torch_aliases(trees: Iterable[ast.AST]) -> set[str]:
     return aliases
 
 
-def _instance_calls(tree: ast.AST, cls: str) -> Iterable[ast.AST]:
+def _instance_calls(nodes: list[ast.AST], cls: str) -> Iterable[ast.AST]:
     """Calls of instances of `cls`: `cls(...)(x)`, `m = cls(...)` then `m(x)` or `m.forward(x)`."""
     def constructs(node) -> bool:
         return isinstance(node, ast.Call) and (_dotted(node.func) or "").split(".")[-1] == cls
 
     instances = {
         _dotted(target)
-        for node in ast.walk(tree) if isinstance(node, ast.Assign) and constructs(node.value)
+        for node in nodes if isinstance(node, ast.Assign) and constructs(node.value)
         for target in node.targets
     } - {None}
-    for node in ast.walk(tree):
+    for node in nodes:
         if not isinstance(node, ast.Call):
             continue
         called = _dotted(node.func)
@@ -72,14 +72,15 @@ def _instance_calls(tree: ast.AST, cls: str) -> Iterable[ast.AST]:
             yield node
 
 
-def _uses(tree: ast.AST, name: str, torch_names: set[str]) -> Iterable[ast.AST]:
+def _uses(nodes: list[ast.AST], name: str, torch_names: set[str]) -> Iterable[ast.AST]:
+    """The uses of `name` among `nodes` (a tree's, as `ast.walk` lists them)."""
     parts = name.split(".")
     attribute = parts[-1]
     if attribute == "forward":
-        yield from _instance_calls(tree, parts[-2])
+        yield from _instance_calls(nodes, parts[-2])
         return
     tensor_method = parts[-2] == "Tensor"
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Attribute) and node.attr == attribute:
             root = _root(node.value)
             if (root not in ("self", "cls")) if tensor_method else (root in torch_names):
@@ -138,8 +139,12 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
     and what those use, transitively. One violation per line, however many names it matches.
     """
     not_allowed = list(not_allowed)
-    return _found(cells, roots, lambda tree, torch_names: (
-        (node, name) for name in not_allowed for node in _uses(tree, name, torch_names)))
+
+    def finds(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, str]]:
+        nodes = list(ast.walk(tree))  # walked once, read once for each name: walking is the cost
+        return ((node, name) for name in not_allowed for node in _uses(nodes, name, torch_names))
+
+    return _found(cells, roots, finds)
 
 
 def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds,
