@@ -18,6 +18,7 @@ against the limits; two rules are also measured from outside the process).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch.utils import _python_dispatch, _pytree
@@ -30,7 +31,21 @@ from autograde.observe import ContractError
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
 
-class Footprint(TorchDispatchMode):
+class _Measuring(TorchDispatchMode):
+    """A mode that measures, as torch wraps it where torch.compile may run.
+
+    torch wraps the handler of every dispatch mode so that torch.compile does not trace into it, and
+    the wrapper imports torch._dynamo at the mode's first use: over a second of CPU time in the
+    grading process, which measures the reference but never compiles. The handler is wrapped as
+    usual wherever torch._dynamo is loaded when this module is (the fork server loads it first,
+    for the learner's processes); elsewhere nothing has compiled code that could reach it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return "torch._dynamo" in sys.modules
+
+
+class Footprint(_Measuring):
     """While active: the largest tensor any operator returns, the elements of all but views, and the
     matmul FLOPs spent.
 
@@ -199,7 +214,7 @@ _PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.
              torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.vdot}
 
 
-class Reductions(TorchDispatchMode):
+class Reductions(_Measuring):
     """While active: `widest`, the most values any one reduction combined into one result, and
     `widest_call`, that operator and the shape it reduced.
 
