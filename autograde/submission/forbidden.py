@@ -10,6 +10,7 @@ Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -72,25 +73,40 @@ def _instance_calls(nodes: list[ast.AST], cls: str) -> Iterable[ast.AST]:
             yield node
 
 
-def _uses(nodes: list[ast.AST], name: str, torch_names: set[str]) -> Iterable[ast.AST]:
-    """The uses of `name` among `nodes` (a tree's, as `ast.walk` lists them)."""
+class _Nodes:
+    """A tree's nodes, walked once (walking is what the scan spends its time on), with those `_uses`
+    reads filed by the name they would match."""
+
+    def __init__(self, tree: ast.AST):
+        self.all = list(ast.walk(tree))
+        self.attributes: dict[str, list[ast.Attribute]] = defaultdict(list)
+        self.torch_imports: list[ast.ImportFrom] = []
+        self.getattrs: dict[str, list[ast.Call]] = defaultdict(list)  # getattr(x, "name") by name
+        for node in self.all:
+            if isinstance(node, ast.Attribute):
+                self.attributes[node.attr].append(node)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                self.torch_imports.append(node)
+            elif (isinstance(node, ast.Call) and _dotted(node.func) == "getattr" and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                self.getattrs[node.args[1].value].append(node)
+
+
+def _uses(nodes: _Nodes, name: str, torch_names: set[str]) -> Iterable[ast.AST]:
     parts = name.split(".")
     attribute = parts[-1]
     if attribute == "forward":
-        yield from _instance_calls(nodes, parts[-2])
+        yield from _instance_calls(nodes.all, parts[-2])
         return
     tensor_method = parts[-2] == "Tensor"
-    for node in nodes:
-        if isinstance(node, ast.Attribute) and node.attr == attribute:
-            root = _root(node.value)
-            if (root not in ("self", "cls")) if tensor_method else (root in torch_names):
-                yield node
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
-            if any(alias.name == attribute for alias in node.names):
-                yield node
-        elif (isinstance(node, ast.Call) and _dotted(node.func) == "getattr" and len(node.args) > 1
-              and isinstance(node.args[1], ast.Constant) and node.args[1].value == attribute):
+    for node in nodes.attributes.get(attribute, ()):
+        root = _root(node.value)
+        if (root not in ("self", "cls")) if tensor_method else (root in torch_names):
             yield node
+    for node in nodes.torch_imports:
+        if any(alias.name == attribute for alias in node.names):
+            yield node
+    yield from nodes.getattrs.get(attribute, ())
 
 
 def _bound_names(statement: ast.stmt) -> list[str]:
@@ -141,7 +157,8 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
     not_allowed = list(not_allowed)
 
     def finds(tree: ast.AST, torch_names: set[str]) -> Iterable[tuple[ast.AST, str]]:
-        nodes = list(ast.walk(tree))  # walked once, read once for each name: walking is the cost
+        nodes = _Nodes(tree)
+        # One violation per line: the nodes of one name on one line are the same violation.
         return ((node, name) for name in not_allowed for node in _uses(nodes, name, torch_names))
 
     return _found(cells, roots, finds)
