@@ -10,6 +10,7 @@ Names are qualified: `torch.nn.functional.softmax`, `torch.Tensor.softmax`, and
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
@@ -164,18 +165,25 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
     return _found(cells, roots, finds)
 
 
-def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds,
-           also=lambda statement: False) -> list[Violation]:
-    """What `finds(tree, torch_names)` yields as (node, name) in the parsable cells (in the code
-    `roots` reach, and the top-level statements `also` accepts, if given), one violation per line,
-    in the notebook's order."""
+@functools.lru_cache(maxsize=2)
+def _parsed(cells: tuple[tuple[str, str], ...]) -> tuple[Parsed, set[str]]:
+    """The parsable cells, and the names bound to torch in them: once for a notebook's scans and review
+    (kept for the last two notebooks; the trees are read, never changed)."""
     parsed = []
     for label, source in cells:
         try:
             parsed.append((label, source.splitlines(), ast.parse(source)))
         except SyntaxError:
             continue
-    torch_names = _torch_aliases(tree for _, _, tree in parsed)
+    return parsed, _torch_aliases(tree for _, _, tree in parsed)
+
+
+def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds,
+           also=lambda statement: False) -> list[Violation]:
+    """What `finds(tree, torch_names)` yields as (node, name) in the parsable cells (in the code
+    `roots` reach, and the top-level statements `also` accepts, if given), one violation per line,
+    in the notebook's order."""
+    parsed, torch_names = _parsed(tuple((label, source) for label, source in cells))
     found: list[Violation] = []
     places: set[str] = set()
     for label, lines, tree in parsed if roots is None else reachable(parsed, roots, also):
@@ -340,12 +348,7 @@ def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
     tripwire and the rules measured in the worker, so a person should look.
     Each is named with the reason it matters."""
     cells = list(cells)
-    parsed = []
-    for label, source in cells:
-        try:
-            parsed.append(ast.parse(source))
-        except SyntaxError:
-            continue
+    parsed = [tree for _, _, tree in _parsed(tuple((label, source) for label, source in cells))[0]]
     modules = _module_names(parsed)
     patching = {name for tree in parsed for statement in tree.body if _changes_objects_at_import(statement)
                 for name in _names_in(statement)}
