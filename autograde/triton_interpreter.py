@@ -9,10 +9,16 @@ way, by the launch or by an earlier call, patching it again changes nothing (its
 already replaced, the rest is set to the same behaviour), so `install` skips it; the first call
 that needs a module the launch has not patched runs Triton's own code, as does any call outside a
 launch. What the kernel computes and what a launch leaves patched or restored are Triton's own.
+
+The interpreter also checks every 32-bit integer add, subtract and multiply for overflow (in 64
+bits, then compared with the limits), for a device assertion that its builder, never in debug
+mode, then skips: a fifth of an interpreted flash kernel's time for a result nothing reads.
+`install` turns that check off where the assertion would be skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -32,6 +38,9 @@ def install() -> None:
 
     if getattr(interpreter.InterpretedFunction.__call__, "patches_once", False):
         return
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     launch, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
 
     @functools.wraps(launch)

@@ -1,8 +1,10 @@
 """Triton's interpreter with each language module patched once per launch
 (`autograde.triton_interpreter`): the same values as Triton's own code, and the kernel's language
-restored after a launch."""
+restored after a launch; its overflow check, whose assertion it skips, not computed."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -26,9 +28,15 @@ def rows_kernel(x_ptr, max_ptr, sum_ptr, ROWS: tl.constexpr, COLUMNS: tl.constex
     tl.store(sum_ptr + rows, tl.sum(x - row_max_interpreted(x)[:, None], axis=1))
 
 
+def offsets_kernel(out_ptr, COLUMNS: tl.constexpr):  # 32-bit integer arithmetic, which Triton checks for overflow
+    columns = tl.arange(0, COLUMNS)
+    tl.store(out_ptr + columns, columns * 3 + 7 - columns)
+
+
 # Built directly, so that the interpreter runs them whatever TRITON_INTERPRET said when Triton was imported.
 row_max_interpreted = interpreter.InterpretedFunction(row_max)
 rows_kernel_interpreted = interpreter.InterpretedFunction(rows_kernel)
+offsets_kernel_interpreted = interpreter.InterpretedFunction(offsets_kernel)
 
 
 def kernel_language() -> dict:
@@ -77,3 +85,15 @@ def test_a_device_function_called_outside_a_launch_runs_as_in_triton(patchings):
     with pytest.raises(interpreter.InterpreterError):  # outside a kernel there is no grid to run in
         row_max_interpreted(torch.zeros(2, 2))
     assert patchings == ["row_max", "max"]  # every call patches, as Triton does
+
+
+def test_the_overflow_check_whose_assertion_the_interpreter_skips_is_not_computed(monkeypatch):
+    triton_interpreter.install()
+    builder = interpreter.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow
+    unchecked = torch.empty(COLUMNS, dtype=torch.int32)
+    offsets_kernel_interpreted[(1,)](unchecked, COLUMNS=COLUMNS)
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True))
+    checked = torch.empty_like(unchecked)
+    offsets_kernel_interpreted[(1,)](checked, COLUMNS=COLUMNS)
+    assert torch.equal(unchecked, checked) and torch.equal(checked, torch.arange(COLUMNS, dtype=torch.int32) * 2 + 7)
