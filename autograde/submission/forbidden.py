@@ -25,6 +25,13 @@ class Violation:
         return f"uses {self.name}" + (f" ({self.where})" if self.where else "")
 
 
+@functools.lru_cache(maxsize=8192)
+def _walked(node: ast.AST) -> tuple[ast.AST, ...]:
+    """`ast.walk(node)`, kept for a notebook's scans and review, which read each statement several
+    times (walking is what they spend their time on; the trees are read, never changed)."""
+    return tuple(ast.walk(node))
+
+
 def _dotted(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -44,7 +51,7 @@ def _torch_aliases(trees: Iterable[ast.AST]) -> set[str]:
     """Names bound to torch or one of its submodules (`torch`, `F`, `nn`, ...)."""
     aliases = {"torch"}
     for tree in trees:
-        for node in ast.walk(tree):
+        for node in _walked(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.split(".")[0] == "torch":
@@ -54,7 +61,7 @@ def _torch_aliases(trees: Iterable[ast.AST]) -> set[str]:
     return aliases
 
 
-def _instance_calls(nodes: list[ast.AST], cls: str) -> Iterable[ast.AST]:
+def _instance_calls(nodes: tuple[ast.AST, ...], cls: str) -> Iterable[ast.AST]:
     """Calls of instances of `cls`: `cls(...)(x)`, `m = cls(...)` then `m(x)` or `m.forward(x)`."""
     def constructs(node) -> bool:
         return isinstance(node, ast.Call) and (_dotted(node.func) or "").split(".")[-1] == cls
@@ -75,11 +82,10 @@ def _instance_calls(nodes: list[ast.AST], cls: str) -> Iterable[ast.AST]:
 
 
 class _Nodes:
-    """A tree's nodes, walked once (walking is what the scan spends its time on), with those `_uses`
-    reads filed by the name they would match."""
+    """A tree's nodes, with those `_uses` reads filed by the name they would match."""
 
     def __init__(self, tree: ast.AST):
-        self.all = list(ast.walk(tree))
+        self.all = _walked(tree)
         self.attributes: dict[str, list[ast.Attribute]] = defaultdict(list)
         self.torch_imports: list[ast.ImportFrom] = []
         self.getattrs: dict[str, list[ast.Call]] = defaultdict(list)  # getattr(x, "name") by name
@@ -144,7 +150,7 @@ def reachable(parsed: Parsed, roots: Iterable[str], also=lambda statement: False
         for label, lines, statement in definitions[name]:
             if all(statement is not other for _, _, other in found):
                 found.append((label, lines, statement))
-            waiting += [node.id for node in ast.walk(statement) if isinstance(node, ast.Name)]
+            waiting += [node.id for node in _walked(statement) if isinstance(node, ast.Name)]
     return found
 
 
@@ -262,7 +268,7 @@ def _module_names(trees: Iterable[ast.AST]) -> dict[str, str]:
     """Each name an import binds, with the module (or `module.name`) it is bound to."""
     names = {}
     for tree in trees:
-        for node in ast.walk(tree):
+        for node in _walked(tree):
             if isinstance(node, ast.Import):
                 names.update({(alias.asname or alias.name.split(".")[0]): (alias.name if alias.asname
                               else alias.name.split(".")[0]) for alias in node.names})
@@ -296,8 +302,8 @@ def _private(name: ast.AST) -> bool:
 def _internals(tree: ast.AST, torch_names: set[str], modules: dict[str, str],
                outside_torch: bool = False) -> Iterable[tuple[ast.AST, str]]:
     """What `review` shows; with `outside_torch`, also numpy, imported or reached with `.numpy()`."""
-    calls = {id(node.func): node for node in ast.walk(tree) if isinstance(node, ast.Call)}
-    for node in ast.walk(tree):
+    calls = {id(node.func): node for node in _walked(tree) if isinstance(node, ast.Call)}
+    for node in _walked(tree):
         if outside_torch and isinstance(node, ast.Attribute) and node.attr == "numpy":
             yield node, f".numpy(): {_OUTSIDE_TORCH}"
         elif outside_torch and isinstance(node, (ast.Import, ast.ImportFrom)) and \
@@ -333,7 +339,7 @@ def _internals(tree: ast.AST, torch_names: set[str], modules: dict[str, str],
 def _changes_objects_at_import(statement: ast.stmt) -> bool:
     """A top-level statement that runs when the notebook does and changes an object the graded code may
     use: an assignment to an attribute or an item (`torch.matmul = ...`), or a call of setattr."""
-    for node in ast.walk(statement):
+    for node in _walked(statement):
         if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
@@ -357,4 +363,4 @@ def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
 
 
 def _names_in(statement: ast.stmt) -> set[str]:
-    return {node.id for node in ast.walk(statement) if isinstance(node, ast.Name)}
+    return {node.id for node in _walked(statement) if isinstance(node, ast.Name)}
