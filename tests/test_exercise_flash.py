@@ -595,6 +595,29 @@ def test_footprint_counts_matmul_flops_as_flopcountermode_does():
     assert footprint.matmul_flops == counter.get_total_flops() > 0
 
 
+def test_the_measuring_modes_import_no_torch_compile_and_measure_compiled_code_as_eager_code():
+    """Where torch._dynamo is not loaded (the grading process, the fork server), a measuring mode's first
+    use does not load it (a second of CPU time each); code compiled inside a measured call, which loads
+    it, is measured as the same code run eagerly is."""
+    measured = subprocess.run([sys.executable, "-c", """if True:
+        import sys, torch
+        from autograde.rules import measure
+        def attention(q, k):
+            return torch.softmax(q @ k.T, dim=-1)
+        q, k = torch.randn(64, 16), torch.randn(128, 16)
+        with measure.Footprint() as eager, measure.Reductions() as eager_reductions:
+            attention(q, k)
+        assert "torch._dynamo" not in sys.modules, "a measuring mode loaded torch._dynamo"
+        with measure.Footprint() as compiled, measure.Reductions() as compiled_reductions:
+            attention_compiled = torch.compile(attention, backend="eager")
+            attention_compiled(q, k)
+        assert "torch._dynamo" in sys.modules
+        assert (compiled.largest, compiled.matmul_flops) == (eager.largest, eager.matmul_flops) == (8192, 262144)
+        assert compiled_reductions.widest == eager_reductions.widest == 128
+    """], capture_output=True, text=True, timeout=300)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+
+
 def test_saved_for_backward_names_what_is_kept():
     q, k, v = random_qkv(1, 2, 12, 12, 16, requires_grad=True)
     _, lse = FORWARD_REF["flash_attention_forward"](q.detach(), k.detach(), v.detach(), True)

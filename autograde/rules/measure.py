@@ -32,13 +32,14 @@ _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.o
 
 
 class _Measuring(TorchDispatchMode):
-    """A mode that measures, as torch wraps it where torch.compile may run.
+    """A mode that measures, wrapped for torch.compile only where torch.compile has been loaded.
 
     torch wraps the handler of every dispatch mode so that torch.compile does not trace into it, and
-    the wrapper imports torch._dynamo at the mode's first use: over a second of CPU time in the
-    grading process, which measures the reference but never compiles. The handler is wrapped as
-    usual wherever torch._dynamo is loaded when this module is (the fork server loads it first,
-    for the learner's processes); elsewhere nothing has compiled code that could reach it."""
+    the wrapper imports torch._dynamo at the mode's first use: a second of CPU time in each grading
+    process and each fork server, which never compile. The handler is wrapped as usual wherever
+    torch._dynamo is loaded when this module is (a learner's kernel that compiled something before
+    its first `check()`, say). Unwrapped, code compiled with torch.compile inside a measured call
+    still runs under the mode, and is measured as the same code run eagerly is."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -62,7 +62,6 @@ from pathlib import Path
 
 import numpy  # noqa: F401  (imported here so that every submission process starts with it)
 import torch
-import torch._dynamo  # noqa: F401  (torch imports it on first use of many functions: seconds each time)
 import torch.utils.flop_counter  # noqa: F401
 import triton  # noqa: F401
 
