@@ -60,7 +60,10 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy  # noqa: F401  (imported here so that every submission process starts with it)
+# Imported here so that every submission process starts with them: under another uid, in a
+# session (no namespaces), it may not be able to read the installation they come from.
+import numpy  # noqa: F401
+import numpy.random  # noqa: F401  (the worker seeds it)
 import torch
 import torch.utils.flop_counter  # noqa: F401
 import triton  # noqa: F401
