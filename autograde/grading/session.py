@@ -138,7 +138,7 @@ class _Plugin:
         if self.quiet:
             # pytest's own report of a failure is printed by nobody here (the conftest reads the
             # exception); its default style parses the test's source and prints its arguments,
-            # tensors included: 30 ms a failing test. Python's plain traceback costs next to nothing.
+            # tensors included: up to 40 ms a failing test. Python's plain traceback costs next to nothing.
             config.option.tbstyle = "native"
 
 

@@ -1,9 +1,9 @@
 """Data between the grading process and the worker: `.npy` arrays and small JSON, never pickle.
 
 What the worker writes is untrusted: a file is read only if neither it nor its folder is a
-symbolic link and it is a regular file, its size is checked before it is read, an array's
-header (dtype, shape) is checked before its values are loaded, and `numpy.load` runs with
-`allow_pickle=False`. Anything malformed raises `WireError`.
+symbolic link and it is a regular file, its size is checked before it is read, and an array's
+header (a plain numeric dtype, never objects; its shape) is checked before its values are read
+as raw bytes. Anything malformed raises `WireError`.
 """
 
 from __future__ import annotations

@@ -171,10 +171,14 @@ def scan(cells: Iterable[tuple[str, str]], not_allowed: Iterable[str],
     return _found(cells, roots, finds)
 
 
-@functools.lru_cache(maxsize=2)
-def _parsed(cells: tuple[tuple[str, str], ...]) -> tuple[Parsed, set[str]]:
+def _parsed(cells: Iterable[tuple[str, str]]) -> tuple[Parsed, set[str]]:
     """The parsable cells, and the names bound to torch in them: once for a notebook's scans and review
     (kept for the last two notebooks; the trees are read, never changed)."""
+    return _parsed_once(tuple((label, source) for label, source in cells))
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_once(cells: tuple[tuple[str, str], ...]) -> tuple[Parsed, set[str]]:
     parsed = []
     for label, source in cells:
         try:
@@ -189,7 +193,7 @@ def _found(cells: Iterable[tuple[str, str]], roots: Iterable[str] | None, finds,
     """What `finds(tree, torch_names)` yields as (node, name) in the parsable cells (in the code
     `roots` reach, and the top-level statements `also` accepts, if given), one violation per line,
     in the notebook's order."""
-    parsed, torch_names = _parsed(tuple((label, source) for label, source in cells))
+    parsed, torch_names = _parsed(cells)
     found: list[Violation] = []
     places: set[str] = set()
     for label, lines, tree in parsed if roots is None else reachable(parsed, roots, also):
@@ -354,7 +358,7 @@ def review(cells: Iterable[tuple[str, str]], exercise) -> list[Violation]:
     tripwire and the rules measured in the worker, so a person should look.
     Each is named with the reason it matters."""
     cells = list(cells)
-    parsed = [tree for _, _, tree in _parsed(tuple((label, source) for label, source in cells))[0]]
+    parsed = [tree for _, _, tree in _parsed(cells)[0]]
     modules = _module_names(parsed)
     patching = {name for tree in parsed for statement in tree.body if _changes_objects_at_import(statement)
                 for name in _names_in(statement)}
