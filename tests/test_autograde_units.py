@@ -21,6 +21,7 @@ from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
 from autograde.compare import CaseResult, compare_tensor
 from autograde.grading import grade
+from autograde.grading.reference import Reference
 from autograde.grading.session import catalogue, max_score
 from autograde.observe import OtherValue, observe_tensor
 from autograde.sandbox import isolation, wire
@@ -440,6 +441,30 @@ def test_visible_inputs_are_fixed_and_hidden_inputs_follow_the_seed():
     assert torch.equal(first(1, hidden)["q"], first(1, hidden)["q"])
     assert first(1, hidden).describe() != first(2, hidden).describe()
     assert hidden not in sent_inputs("sdpa", None)  # hidden tests need the instructor's seed
+
+
+def test_the_reference_keeps_one_submitters_hidden_results_at_a_time():
+    """The visible tests make the same calls for every notebook: their results are kept for the
+    process. A hidden test's inputs are one submitter's: kept, they would grow with the class."""
+    reference = Reference(exercises.get("sdpa"))
+
+    def inputs(seed: int) -> cases.Inputs:
+        generator = torch.Generator().manual_seed(seed)
+        return cases.Inputs({name: torch.randn(1, 2, 3, 4, generator=generator, dtype=torch.float64)
+                             for name in "qkv"})
+
+    visible = reference.attend(inputs(0))
+    assert reference.attend(inputs(0)) is visible
+    with reference.drawn_from(7):
+        hidden = reference.attend(inputs(1))
+        assert reference.attend(inputs(1)) is hidden
+        assert reference.attend(inputs(0)) is visible
+    with reference.drawn_from(7):  # the same submitter's next hidden test
+        assert reference.attend(inputs(1)) is hidden
+    with reference.drawn_from(8):  # the next submitter's
+        again = reference.attend(inputs(1))
+    assert again is not hidden and np.array_equal(again["out"].array, hidden["out"].array)
+    assert reference.attend(inputs(0)) is visible
 
 
 @pytest.mark.parametrize("exercise", exercises.EXERCISES.values(), ids=lambda e: e.id)

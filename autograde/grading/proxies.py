@@ -11,7 +11,7 @@ calls on a namespace in this process: the learner's own kernel for `check()`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -61,6 +61,12 @@ class Proxy:
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def drawn_from(self, seed: int) -> Iterator[None]:
+        """Within: the calls' inputs are drawn from `seed`, a hidden test's (`Reference` keeps their
+        results only until another seed's come); nothing for the others."""
+        yield
 
     def for_review(self, reason: str) -> None:
         """A test's finding that costs no points but asks for a person's look (the grade's status

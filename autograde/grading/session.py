@@ -119,7 +119,7 @@ _references: dict[str, Proxy] = {}
 
 
 def _reference(exercise: Exercise) -> Proxy:
-    """One per exercise and process: it caches what the solution returned for each call."""
+    """One per exercise and process: it keeps what the solution returned for the visible tests' calls."""
     if exercise.id not in _references:
         _references[exercise.id] = expected.reference_for(exercise)
     return _references[exercise.id]
