@@ -101,6 +101,12 @@ EVERY_BACKWARD_CASE = cases("backward-random", BACKWARD_RANDOM) | cases("backwar
 
 WHOLE = frozenset({"whole-scores-measured-from-outside"})  # the hidden case whose memory is measured from outside
 WORK_TIME = frozenset({"work-measured-from-outside"})  # flash_forward's hidden case whose CPU time is measured
+# Graded in this process, which has graded hundreds of notebooks by then, these two cases' measure
+# (advisory here; a fresh kernel's under nbgrader) sees an honest call's allocations walk the holes
+# of a long-lived heap (up to 18 MiB of the 32 allowed at 4096 tokens): here an answer that keeps
+# them may lose them, and one that breaks them must still lose them. tests/test_autograde_memory.py
+# grades them from outside, as a class is graded.
+MEASURED_HERE = WHOLE | WORK_TIME
 FORWARD = answer("flash_forward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")
@@ -364,7 +370,7 @@ def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
     results = graded_on_seed(variant.exercise, variant.answers, seed)
     visible, hidden = lost(results)
     assert (seed, visible) == (seed, variant.visible_failures)
-    assert (seed, hidden) == (seed, variant.hidden_failures)
+    assert (seed, hidden - (MEASURED_HERE - variant.hidden_failures)) == (seed, variant.hidden_failures)
     first = next(results[c.name] for c in catalogue(exercises.get(variant.exercise)) if c.name in visible)
     assert any(problem.startswith(variant.message) for problem in first.problems), first.problems
 
@@ -374,7 +380,7 @@ def test_a_wrong_answer_loses_exactly_its_tests_on_every_seed(variant, seed):
 @on_every_seed()
 def test_a_right_answer_in_another_style_passes_every_test_on_every_seed(variant, seed):
     results, reviews = graded_and_reviewed(variant.exercise, variant.answers, seed)
-    assert (seed, failed(results), reviews) == (seed, set(), [])
+    assert (seed, failed(results) - MEASURED_HERE, reviews) == (seed, set(), [])
 
 
 @on_every_seed()
