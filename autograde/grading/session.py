@@ -119,7 +119,8 @@ _references: dict[str, Proxy] = {}
 
 
 def _reference(exercise: Exercise) -> Proxy:
-    """One per exercise and process: it keeps what the solution returned for the visible tests' calls."""
+    """One per exercise and process: it keeps what the solution returned for the visible tests' calls,
+    and for one submitter's hidden ones at a time (`Reference.drawn_from`)."""
     if exercise.id not in _references:
         _references[exercise.id] = expected.reference_for(exercise)
     return _references[exercise.id]
