@@ -602,3 +602,21 @@ def test_gradescope_names_the_submitter_by_the_users_ids(tmp_path):
     (tmp_path / "submission_metadata.json").write_text(json.dumps({"users": [{"id": 7, "name": "B"},
                                                                              {"id": 3, "name": "A"}]}))
     assert gradescope.submitter(tmp_path) == "3,7"
+
+
+def test_a_learners_kernel_measures_a_call_with_torch_on_one_thread_then_gives_its_threads_back():
+    """The CPU time of a call measured in the learner's kernel counts one torch thread, as the grader's
+    worker runs: waiting threads spin, the longer the busier the machine, and the process's CPU time
+    counts their spinning."""
+    from autograde.grading.local import LocalSubmission
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with LocalSubmission(exercises.get("flash_forward"), {}).cost_measured() as cost:
+            inside = torch.get_num_threads()
+            torch.ones(256, 256) @ torch.ones(256, 256)
+        assert (inside, torch.get_num_threads()) == (1, 2)
+        assert cost.cpu_seconds is not None and cost.cpu_seconds >= 0
+    finally:
+        torch.set_num_threads(threads)
