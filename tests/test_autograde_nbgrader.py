@@ -31,8 +31,11 @@ def nbgrader(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
 
 @pytest.mark.parametrize("exercise_id", exercises.EXERCISES)
 def test_nbgrader_validate_passes_on_the_solution_notebooks(exercise_id):
-    """One notebook per call, each within its own time limit: the flash notebooks alone take minutes."""
-    process = nbgrader("validate", str(ROOT / "solutions" / exercises.get(exercise_id).notebook), cwd=ROOT)
+    """One notebook per call, each within its own time limit: the flash notebooks alone take minutes.
+    A cell's time limit is the grader's (nbgrader's 30 s default is passed by flash_forward's first
+    test cell on a 2-core machine that other work shares): what is checked is that the cells pass."""
+    notebook = ROOT / "solutions" / exercises.get(exercise_id).notebook
+    process = nbgrader("validate", "--Execute.timeout=300", str(notebook), cwd=ROOT)
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.count("Success! Your notebook passes all the tests.") == 1, process.stdout
 
