@@ -33,9 +33,9 @@ book-class:
 	$(MAKE) book EDITION=class
 
 # The tiers (pytest markers in pyproject.toml; README, "Tests"). `make test` is the fast tier: the
-# open edition built strictly, ruff, and every test no marker sends elsewhere. In one process by
-# default; TEST_PROCESSES=2 spreads a tier over two (pytest-xdist).
-TEST_PROCESSES ?= 0
+# open edition built strictly, ruff, and every test no marker sends elsewhere. Spread over two
+# processes by default (pytest-xdist; each runs torch on one thread); TEST_PROCESSES=0 runs a tier in one.
+TEST_PROCESSES ?= 2
 PYTEST := $(PY) -m pytest $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadgroup)
 test: book lint
 	$(PYTEST) --durations=20

@@ -27,7 +27,7 @@ from autograde.registry import EXERCISES
 from autograde.sandbox import cgroups
 from tests.fixtures.notebooks import ROOT, SEED, answer, learner_notebook, write
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.xdist_group("autograde_resume"), pytest.mark.timeout(900)]  # its module's classes graded once
 
 SDPA = "scaled_dot_product_attention"
 SLOW = "import time\ntime.sleep(2)\n"
