@@ -19,10 +19,14 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH)" -r requirements-dev.txt
 	touch $@
 
+# The chapters are executed into the edition's execution cache one a core first (tools/execute_chapters.py):
+# Jupyter Book executes them one after the other.
 book: $(STAMP)
 ifeq ($(EDITION),open)
+	$(PY) tools/execute_chapters.py _build/.jupyter_cache
 	$(VENV)/bin/jupyter-book build . $(JB_FLAGS)
 else ifeq ($(EDITION),class)
+	$(PY) tools/execute_chapters.py $(CLASS_BUILD)/_build/.jupyter_cache
 	BOOK_EDITION=class $(VENV)/bin/jupyter-book build . $(JB_FLAGS) --path-output $(CLASS_BUILD)
 	touch $(CLASS_BUILD)/built
 else
