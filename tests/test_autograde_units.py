@@ -21,6 +21,7 @@ from autograde import registry as exercises
 from autograde.cases import NOT_ALLOWED_ATTENTION, NOT_ALLOWED_SOFTMAX
 from autograde.compare import CaseResult, compare_tensor
 from autograde.grading import grade
+from autograde.grading.local import LocalSubmission
 from autograde.grading.reference import Reference
 from autograde.grading.session import catalogue, max_score
 from autograde.observe import OtherValue, observe_tensor
@@ -608,8 +609,6 @@ def test_a_learners_kernel_measures_a_call_with_torch_on_one_thread_then_gives_i
     """The CPU time of a call measured in the learner's kernel counts one torch thread, as the grader's
     worker runs: waiting threads spin, the longer the busier the machine, and the process's CPU time
     counts their spinning."""
-    from autograde.grading.local import LocalSubmission
-
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
