@@ -48,6 +48,25 @@ NOT_ALLOWED_SOFTMAX = (
 )
 
 
+FLOAT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def alternate_dtypes(table: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """A parametrised test's product of axes (case id -> its values), each case in float32 or float64
+    (last in its id and values) instead of both: half the calls, and still every value of every axis
+    meets both dtypes, since the dtype alternates with the sum of the case's positions on its axes."""
+    axes = [list(dict.fromkeys(values)) for values in zip(*table.values())]
+    cases = {}
+    for case, values in table.items():
+        dtype = list(FLOAT_DTYPES)[sum(axis.index(value) for axis, value in zip(axes, values)) % 2]
+        cases[f"{case}, {dtype}"] = (*values, dtype)
+    for position, axis in enumerate(axes):
+        for value in axis:
+            met = {values[-1] for values in cases.values() if values[position] == value}
+            if met != set(FLOAT_DTYPES):
+                raise ValueError(f"{value!r} meets {sorted(met)} only: the table is not a product of two axes or more")
+    return cases
+
 @dataclass(frozen=True)
 class Inputs:
     """What a test case feeds the functions: tensors and plain values, and a note on them."""

@@ -619,3 +619,18 @@ def test_a_learners_kernel_measures_a_call_with_torch_on_one_thread_then_gives_i
         assert cost.cpu_seconds is not None and cost.cpu_seconds >= 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_alternating_dtypes_give_every_value_of_every_axis_both_dtypes_at_half_the_cases():
+    product = {f"{a}, {b}, {c}": (a, b, c) for a in ("L < S", "L = S", "L > S") for b in ("x", "y")
+               for c in ("causal", "not causal")}
+    alternated = cases.alternate_dtypes(product)
+    assert len(alternated) == len(product) == 12
+    assert [case.rsplit(", ", 1)[0] for case in alternated] == list(product)
+    for position in range(3):
+        for value in {axes[position] for axes in product.values()}:
+            met = [axes[-1] for axes in alternated.values() if axes[position] == value]
+            assert sorted(set(met)) == ["float32", "float64"]
+    assert sum(axes[-1] == "float32" for axes in alternated.values()) == 6
+    with pytest.raises(ValueError, match="meets"):  # one axis: a value cannot meet both dtypes
+        cases.alternate_dtypes({"a": ("a",), "b": ("b",)})

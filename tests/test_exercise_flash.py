@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.cases import FLOAT_DTYPES
 from autograde.frontends import check as self_check
 from autograde.grading import grade
 from autograde.grading.session import catalogue, max_score
@@ -215,7 +216,7 @@ WRONG = [
     Variant("top-left-causal-mask", "flash_forward", {"flash_attention_forward": replaced(
         FORWARD, ("diagonal = S - L  #", "diagonal = 0  #"))},
         frozenset({"forward-causal-more-queries", "forward-float16"}),
-        cases("forward-random", FORWARD_RANDOM, lambda lengths, edges, causal, blocks: causal == "causal"
+        cases("forward-random", FORWARD_RANDOM, lambda lengths, edges, causal, blocks, dtype: causal == "causal"
               and lengths != "L = S")
         | cases("forward-float16-random", FLOAT16_RANDOM, lambda lengths, causal: causal == "causal"
                 and lengths != "L = S"),
@@ -738,11 +739,10 @@ def assert_drawn_as_named(inputs, lengths: str, edges: str, causal: str, blocks:
 def test_the_hidden_inputs_are_what_their_case_names_say():
     for seed in (0, 1, 2):
         sent = sent_inputs("flash_forward", seed)
-        for case, axes in FORWARD_RANDOM.items():
-            drawn = sent[f"forward-random[{case}]"]
-            assert [inputs["q"].dtype for inputs in drawn] == [torch.float32, torch.float64]
-            for inputs in drawn:
-                assert_drawn_as_named(inputs, *axes)
+        for case, (*axes, dtype) in FORWARD_RANDOM.items():
+            (inputs,) = sent[f"forward-random[{case}]"]
+            assert inputs["q"].dtype == FLOAT_DTYPES[dtype]
+            assert_drawn_as_named(inputs, *axes)
         for case, (lengths, causal) in FLOAT16_RANDOM.items():
             (inputs,) = sent[f"forward-float16-random[{case}]"]
             assert inputs["q"].dtype == torch.float16
@@ -754,17 +754,18 @@ def test_the_hidden_inputs_are_what_their_case_names_say():
                         "ragged last block": columns % size != 0 and columns > size,
                         "one block as wide as the row or wider": size >= columns}[width]
         sent = sent_inputs("flash_backward", seed)
-        for case, axes in BACKWARD_RANDOM.items():
-            for inputs in sent[f"backward-random[{case}]"]:
-                assert inputs["lse"].dtype == inputs["q"].dtype
-                assert_drawn_as_named(inputs, *axes)
+        for case, (*axes, dtype) in BACKWARD_RANDOM.items():
+            (inputs,) = sent[f"backward-random[{case}]"]
+            assert inputs["lse"].dtype == inputs["q"].dtype == FLOAT_DTYPES[dtype]
+            assert_drawn_as_named(inputs, *axes)
         for case, (lengths, causal) in FLOAT16_RANDOM.items():
             (inputs,) = sent[f"backward-float16-random[{case}]"]
             assert (inputs["q"].dtype, inputs["lse"].dtype) == (torch.float16, torch.float32)
             assert_drawn_as_named(inputs, lengths, RAGGED, causal, "given blocks")
-        for case, axes in APPLY_RANDOM.items():
-            for inputs in sent[f"flash-attention-apply-random[{case}]"]:
-                assert_drawn_as_named(inputs, *axes, "default blocks")
+        for case, (*axes, dtype) in APPLY_RANDOM.items():
+            (inputs,) = sent[f"flash-attention-apply-random[{case}]"]
+            assert inputs["q"].dtype == FLOAT_DTYPES[dtype]
+            assert_drawn_as_named(inputs, *axes, "default blocks")
     sent = sent_inputs("flash_triton", 0)
     for case, (lengths, edges, causal) in TRITON_RANDOM.items():
         (inputs,) = sent[f"triton-random[{case}]"]

@@ -21,6 +21,7 @@ from torch import nn
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.cases import FLOAT_DTYPES
 from autograde.exercises import kv_cache as kv_cache_definition
 from autograde.grading.session import catalogue, max_score
 from autograde.tests import test_gqa as GQA_TESTS
@@ -66,33 +67,33 @@ ATTENTION, CONVERSION, DECODING = GQA_TESTS.ATTENTION_CASES, GQA_TESTS.CONVERSIO
 LONG_DECODE = named("long-decode", *KV_TESTS.LONG_CACHES)
 # Every decoding but the whole sequence in one step from no cache (which is causal self-attention).
 AFTER_A_CACHE = cases("decoding-random", DECODING,
-                      lambda layout, bias, cache, chunking: (cache, chunking) != ("no cache", "all in one step"))
+                      lambda layout, bias, cache, chunking, dtype: (cache, chunking) != ("no cache", "all in one step"))
 
 WRONG = [
     Variant("repeat-instead-of-repeat-interleave", "gqa", {"repeat_kv": replaced(
         "gqa", "repeat_kv", ("x.repeat_interleave(n_rep, dim=1)", "x.repeat(1, n_rep, 1, 1)"))},
         fs("repeat-kv", "grouped-attention"),  # MHA (n_rep 1) and MQA (1 head) cannot tell
         named("repeat-kv-random", "n_rep 2 or more") | cases("attention-random", ATTENTION,
-                                                              lambda layout, bias, mask: kind(layout) == "GQA")),
+                                                              lambda layout, bias, mask, dtype: kind(layout) == "GQA")),
     Variant("causal-when-no-mask", "gqa", {"GroupedQueryAttention": replaced(
         "gqa", "GroupedQueryAttention", ("repeat_kv(v, group_size), mask)",
                                          "repeat_kv(v, group_size),\n            mask if mask is not None else "
                                          "torch.ones(length, length, dtype=torch.bool).tril())"))},
-        fs(), cases("attention-random", ATTENTION, lambda layout, bias, mask: mask == "no mask")),
+        fs(), cases("attention-random", ATTENTION, lambda layout, bias, mask, dtype: mask == "no mask")),
     Variant("two-dimensional-masks-only", "gqa", {"GroupedQueryAttention": replaced(
         "gqa", "GroupedQueryAttention", ("repeat_kv(v, group_size), mask)",
                                          "repeat_kv(v, group_size),\n            "
                                          "None if mask is None else mask.reshape(length, length))"))},
         fs(), cases("attention-random", ATTENTION,
-                    lambda layout, bias, mask: mask in ("mask (B, 1, T, T)", "mask (B, H, T, T)"))),
+                    lambda layout, bias, mask, dtype: mask in ("mask (B, 1, T, T)", "mask (B, H, T, T)"))),
     Variant("first-head-instead-of-mean", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ("groups.mean(dim=1)", "groups[:, 0]"))},
-        fs("mha-to-gqa"), cases("mha-to-gqa-random", CONVERSION, lambda layout, bias: kind(layout) != "MHA")),
+        fs("mha-to-gqa"), cases("mha-to-gqa-random", CONVERSION, lambda layout, bias, dtype: kind(layout) != "MHA")),
     Variant("biases-not-pooled", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ('("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")',
                               '("k_proj.weight", "v_proj.weight")'))},
         fs("mha-to-gqa"), cases("mha-to-gqa-random", CONVERSION,
-                                lambda layout, bias: kind(layout) != "MHA" and bias == "with biases")),
+                                lambda layout, bias, dtype: kind(layout) != "MHA" and bias == "with biases")),
     # Right values, but the caller's state dict is converted in place and returned.
     Variant("converts-the-callers-state-dict-in-place", "gqa", {"mha_to_gqa": replaced(
         "gqa", "mha_to_gqa", ("converted = {name: tensor.clone() for name, tensor in state_dict.items()}",
@@ -126,7 +127,7 @@ WRONG = [
                            "mask = torch.ones(n, total, dtype=torch.bool, device=x_new.device)\n"
                            "    if n > 1:\n        mask = mask.tril()"))},
         fs("chunked-prefill", "given-cache"), cases(
-            "decoding-random", DECODING, lambda layout, bias, cache, chunking: chunking in (
+            "decoding-random", DECODING, lambda layout, bias, cache, chunking, dtype: chunking in (
                 "ragged chunks", "several tokens after a first chunk") or (
                 cache, chunking) == ("a given cache", "all in one step"))),
     Variant("cache-ignores-earlier-steps", "kv_cache", {STEP: replaced(
@@ -144,12 +145,14 @@ WRONG = [
         ("module.o_proj(heads.transpose(1, 2).reshape(batch, n, num_heads * head_dim))",
          "heads.transpose(1, 2).reshape(batch, n, num_heads * head_dim) @ module.o_proj.weight.T"))},
         fs("whole-prompt", "token-by-token", "chunked-prefill"),  # given-cache has no biases
-        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking: bias == "with biases") | LONG_DECODE),
+        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking, dtype: bias == "with biases")
+        | LONG_DECODE),
     Variant("repeat-instead-of-repeat-interleave", "kv_cache", {STEP: replaced(
         "kv_cache", STEP, ("k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)",
                            "k.repeat(1, group_size, 1, 1), v.repeat(1, group_size, 1, 1)"))},
         fs("whole-prompt", "token-by-token", "chunked-prefill", "given-cache"),  # MHA and MQA cannot tell
-        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking: kind(layout) == "GQA") | LONG_DECODE),
+        cases("decoding-random", DECODING, lambda layout, bias, cache, chunking, dtype: kind(layout) == "GQA")
+        | LONG_DECODE),
 ]
 
 GQA_HEADER = "import math\n\nimport torch\nfrom torch import nn\n\n"
@@ -481,20 +484,21 @@ def test_the_hidden_inputs_of_gqa_are_what_their_case_names_say(seed):
                "MQA": lambda heads, kv_heads: kv_heads == 1 < heads,
                "GQA": lambda heads, kv_heads: 1 < kv_heads < heads and heads % kv_heads == 0}
     sent = sent_inputs("gqa", seed)
-    for case, (layout, bias, mask) in ATTENTION.items():
-        for inputs in sent[f"attention-random[{case}]"]:
-            B, T, _ = inputs["x"].shape
-            assert layouts[kind(layout)](inputs["num_heads"], inputs["num_kv_heads"])
-            assert inputs["bias"] == GQA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
-            shapes = {"no mask": None, "mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T),
-                      "mask (B, H, T, T)": (B, inputs["num_heads"], T, T)}
-            assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
-            assert B > 1 and T > 1  # (B, 1, T, T) is not (T, T), and no mask is not a causal one
-        assert [inputs["x"].dtype for inputs in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
-    for case, (layout, bias) in CONVERSION.items():
-        for inputs in sent[f"mha-to-gqa-random[{case}]"]:
-            assert layouts[kind(layout)](inputs["num_heads"], *inputs["num_kv_heads"])
-            assert ("k_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+    for case, (layout, bias, mask, dtype) in ATTENTION.items():
+        (inputs,) = sent[f"attention-random[{case}]"]
+        B, T, _ = inputs["x"].shape
+        assert layouts[kind(layout)](inputs["num_heads"], inputs["num_kv_heads"])
+        assert inputs["bias"] == GQA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
+        shapes = {"no mask": None, "mask (T, T)": (T, T), "mask (B, 1, T, T)": (B, 1, T, T),
+                  "mask (B, H, T, T)": (B, inputs["num_heads"], T, T)}
+        assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
+        assert B > 1 and T > 1  # (B, 1, T, T) is not (T, T), and no mask is not a causal one
+        assert inputs["x"].dtype == FLOAT_DTYPES[dtype]
+    for case, (layout, bias, dtype) in CONVERSION.items():
+        (inputs,) = sent[f"mha-to-gqa-random[{case}]"]
+        assert layouts[kind(layout)](inputs["num_heads"], *inputs["num_kv_heads"])
+        assert ("k_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+        assert inputs["q_proj.weight"].dtype == FLOAT_DTYPES[dtype]
     for case in GQA_TESTS.REPEATS:
         (inputs,) = sent[f"repeat-kv-random[{case}]"]
         assert {n_rep for _, n_rep in inputs["calls"]} <= ({1} if case == "n_rep 1" else {2, 3, 4})
@@ -509,20 +513,21 @@ def test_the_hidden_inputs_of_gqa_are_what_their_case_names_say(seed):
 @on_every_seed(tuple(range(10)))
 def test_the_hidden_inputs_of_kv_cache_are_what_their_case_names_say(seed):
     sent = sent_inputs("kv_cache", seed)
-    for case, (layout, bias, cache, chunking) in DECODING.items():
-        for inputs in sent[f"decoding-random[{case}]"]:
-            heads, kv_heads = inputs["num_heads"], inputs["num_kv_heads"]
-            assert {"MHA": kv_heads == heads > 1, "MQA": kv_heads == 1 < heads,
-                    "GQA": 1 < kv_heads < heads}[kind(layout)]
-            assert ("q_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
-            assert ("cache_k" in inputs.values) == (cache == "a given cache")
-            if cache == "a given cache":
-                assert inputs["cache_k"].shape[2] >= 1
-            (sizes,) = inputs["chunkings"]
-            assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
-            assert {"all in one step": len(sizes) == 1, "token by token": set(sizes) == {1},
-                    "ragged chunks": len(sizes) > 2 and max(sizes[1:]) > 1,
-                    "several tokens after a first chunk": len(sizes) == 2 and sizes[1] > 1}[chunking]
+    for case, (layout, bias, cache, chunking, dtype) in DECODING.items():
+        (inputs,) = sent[f"decoding-random[{case}]"]
+        heads, kv_heads = inputs["num_heads"], inputs["num_kv_heads"]
+        assert {"MHA": kv_heads == heads > 1, "MQA": kv_heads == 1 < heads,
+                "GQA": 1 < kv_heads < heads}[kind(layout)]
+        assert ("q_proj.bias" in inputs.values) == GQA_TESTS.BIASES[bias]
+        assert ("cache_k" in inputs.values) == (cache == "a given cache")
+        if cache == "a given cache":
+            assert inputs["cache_k"].shape[2] >= 1
+        (sizes,) = inputs["chunkings"]
+        assert sum(sizes) == inputs["x"].shape[1] and min(sizes) >= 1
+        assert {"all in one step": len(sizes) == 1, "token by token": set(sizes) == {1},
+                "ragged chunks": len(sizes) > 2 and max(sizes[1:]) > 1,
+                "several tokens after a first chunk": len(sizes) == 2 and sizes[1] > 1}[chunking]
+        assert inputs["x"].dtype == FLOAT_DTYPES[dtype]
     for case in KV_TESTS.LONG_CACHES:
         (inputs,) = sent[f"long-decode[{case}]"]
         assert ("cache_k" in inputs.values) == (case != "no cache")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.cases import FLOAT_DTYPES
 from autograde.grading.session import catalogue, max_score
 from tests.fixtures.implementations import (
     MHA_RIGHT,
@@ -135,19 +136,19 @@ def test_the_hidden_inputs_of_sdpa_are_what_their_case_names_say(seed):
 @on_every_seed(tuple(range(8)))
 def test_the_hidden_inputs_of_mha_are_what_their_case_names_say(seed):
     sent = sent_inputs("mha", seed)
-    for case, (kind, mask, bias, heads) in MHA_TESTS.ATTENTION_CASES.items():
-        for inputs in sent[f"attention-random[{case}]"]:
-            B, L, _ = inputs["query"].shape
-            S = inputs["key"].shape[1]
-            H = inputs["num_heads"]
-            assert min(B, L, S) >= 2 and (H == 1) == (heads == "1 head")
-            same = torch.equal(inputs["query"], inputs["key"]) and torch.equal(inputs["key"], inputs["value"])
-            assert same == (kind == "self-attention")
-            assert inputs["bias"] == MHA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
-            shapes = {"no mask": None, "mask (L, S)": (L, S), "mask (B, 1, L, S)": (B, 1, L, S),
-                      "mask (B, H, L, S)": (B, H, L, S)}
-            assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
-        assert [i["query"].dtype for i in sent[f"attention-random[{case}]"]] == [torch.float32, torch.float64]
+    for case, (kind, mask, bias, heads, dtype) in MHA_TESTS.ATTENTION_CASES.items():
+        (inputs,) = sent[f"attention-random[{case}]"]
+        B, L, _ = inputs["query"].shape
+        S = inputs["key"].shape[1]
+        H = inputs["num_heads"]
+        assert min(B, L, S) >= 2 and (H == 1) == (heads == "1 head")
+        same = torch.equal(inputs["query"], inputs["key"]) and torch.equal(inputs["key"], inputs["value"])
+        assert same == (kind == "self-attention")
+        assert inputs["bias"] == MHA_TESTS.BIASES[bias] == ("q_proj.bias" in inputs.values)
+        shapes = {"no mask": None, "mask (L, S)": (L, S), "mask (B, 1, L, S)": (B, 1, L, S),
+                  "mask (B, H, L, S)": (B, H, L, S)}
+        assert (None if inputs.get("mask") is None else tuple(inputs["mask"].shape)) == shapes[mask]
+        assert inputs["query"].dtype == FLOAT_DTYPES[dtype]
     for case in MHA_TESTS.DEFAULTS:
         (inputs,) = sent[f"default-key-value[{case}]"]
         assert "value" not in inputs.values and inputs["num_heads"] > 1

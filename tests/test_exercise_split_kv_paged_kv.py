@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
+from autograde.cases import FLOAT_DTYPES
 from autograde.exercises import paged_kv as paged_kv_definition
 from autograde.exercises import split_kv as split_kv_definition
 from autograde.grading.session import catalogue, max_score
@@ -60,7 +61,7 @@ APPENDS, PAGED = PAGED_TESTS.APPEND_CASES, PAGED_TESTS.ATTENTION_CASES
 LARGE_SCORES = fs("split-kv-large-scores[float32]", "split-kv-large-scores[float64]")
 LARGE_LSE = cases("merge-random", MERGES, lambda magnitude, dtype: magnitude != "ordinary lse")
 EMPTY_CHUNK = "            continue  # an empty chunk: attention over no keys, out 0 and lse -inf as initialised\n"
-ALL_APPENDS = cases("append-random", APPENDS, lambda ends, table: True)
+ALL_APPENDS = cases("append-random", APPENDS, lambda ends, table, dtype: True)
 
 NAIVE_MERGE = '''
 import math
@@ -99,7 +100,7 @@ SPLIT_WRONG = [
     Variant("top-left-causal-mask", "split_kv", {SPLIT: replaced(
         "split_kv", SPLIT, ("[:, None] + (length - queries)", "[:, None]"))},
         fs("split-kv-decode", "split-kv-causal", "split-kv-rows-attending-nothing"),
-        cases("split-kv-random", SPLITS, lambda splits, queries, causal, layout: SPLIT_TESTS.CAUSAL[causal])
+        cases("split-kv-random", SPLITS, lambda splits, queries, causal, layout, dtype: SPLIT_TESTS.CAUSAL[causal])
         | LARGE_SCORES),
 ]
 
@@ -108,18 +109,19 @@ PAGED_WRONG = [
     Variant("pages-in-the-order-of-their-numbers", "paged_kv", {ATTENTION: replaced(
         "paged_kv", ATTENTION, ("pages = block_table[b, :count]", "pages = block_table[b, :count].sort().values"))},
         fs("paged-attention", "decode-steps"),  # pages in order, or only full pages, cannot tell
-        cases("paged-attention-random", PAGED, lambda table, ends, layout: (table, ends) == (SORTED, PAST_THE_END))
+        cases("paged-attention-random", PAGED,
+              lambda table, ends, layout, dtype: (table, ends) == (SORTED, PAST_THE_END))
         | fs("paged-attention-page-sizes[page size 3]", "paged-attention-page-sizes[page size 16]")),
     Variant("attends-the-whole-last-page", "paged_kv", {ATTENTION: replaced(
         "paged_kv", ATTENTION, ("[:, :length]\n", "\n"))},
         fs("paged-attention", "paged-attention-shared-prefix", "decode-steps"),
-        cases("paged-attention-random", PAGED, lambda table, ends, layout: ends == PAST_THE_END)
+        cases("paged-attention-random", PAGED, lambda table, ends, layout, dtype: ends == PAST_THE_END)
         | fs("paged-attention-page-sizes[page size 3]", "paged-attention-page-sizes[page size 16]")),
     Variant("query-head-i-reads-kv-head-i-mod-h-kv", "paged_kv", {ATTENTION: replaced(
         "paged_kv", ATTENTION, ("keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)",
                                 "keys.repeat(group, 1, 1), values.repeat(group, 1, 1)"))},
         fs("paged-attention", "decode-steps"),
-        cases("paged-attention-random", PAGED, lambda table, ends, layout: kind(layout) == "GQA")
+        cases("paged-attention-random", PAGED, lambda table, ends, layout, dtype: kind(layout) == "GQA")
         | fs(*(f"paged-attention-page-sizes[{case}]" for case in PAGED_TESTS.PAGE_SIZES))),
     Variant("reads-every-entry-of-the-table", "paged_kv", {ATTENTION: replaced(
         "paged_kv", ATTENTION, ("pages = block_table[b, :count]", "pages = block_table[b]"),
@@ -132,7 +134,7 @@ PAGED_WRONG = [
     Variant("page-of-the-last-cached-token", "paged_kv", {APPEND: replaced(
         "paged_kv", APPEND, ("seq_lens // page_size", "(seq_lens - 1) // page_size"))},
         fs("append-writes-its-slots", "append-changes-nothing-else", "decode-steps"),
-        cases("append-random", APPENDS, lambda ends, table: ends == "new tokens starting a page")),
+        cases("append-random", APPENDS, lambda ends, table, dtype: ends == "new tokens starting a page")),
     Variant("writes-the-slot-in-every-page-of-the-row", "paged_kv", {APPEND: replaced(
         "paged_kv", APPEND, ("    k_pages[pages, :, slots] = k_new\n    v_pages[pages, :, slots] = v_new\n",
                              "    for b in range(len(seq_lens)):\n"
@@ -401,9 +403,9 @@ def test_reference_append_writes_one_slot_per_sequence_and_nothing_else():
 @on_every_seed()
 def test_the_hidden_inputs_of_split_kv_are_what_their_case_names_say(seed):
     sent = sent_inputs("split_kv", seed)
-    for case, (splits, queries, causal, layout) in SPLITS.items():
-        inputs, in_float64 = sent[f"split-kv-random[{case}]"]  # the float32 copy, then the float64 one
-        assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
+    for case, (splits, queries, causal, layout, dtype) in SPLITS.items():
+        (inputs,) = sent[f"split-kv-random[{case}]"]
+        assert inputs["q"].dtype == FLOAT_DTYPES[dtype]
         H, H_kv, L, S = inputs["q"].shape[1], inputs["k"].shape[1], inputs["q"].shape[2], inputs["k"].shape[2]
         ((_, num_splits, causal_given),) = inputs["calls"]
         chunks = [stop - start for start, stop in split_kv_definition.chunk_bounds(S, num_splits)]
@@ -442,9 +444,9 @@ def used_pages(inputs, b: int) -> list[int]:
 @on_every_seed()
 def test_the_hidden_inputs_of_paged_kv_are_what_their_case_names_say(seed):
     sent = sent_inputs("paged_kv", seed)
-    for case, (table, ends, layout) in PAGED.items():
-        inputs, in_float64 = sent[f"paged-attention-random[{case}]"]
-        assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
+    for case, (table, ends, layout, dtype) in PAGED.items():
+        (inputs,) = sent[f"paged-attention-random[{case}]"]
+        assert inputs["q"].dtype == FLOAT_DTYPES[dtype]
         page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"].tolist()
         rows = [used_pages(inputs, b) for b in range(len(lengths))]
         assert all((n % page_size != 0) == (ends == PAST_THE_END) for n in lengths)
@@ -459,8 +461,9 @@ def test_the_hidden_inputs_of_paged_kv_are_what_their_case_names_say(seed):
         assert len(set(every)) < inputs["k_pages"].shape[0] and listed <= set(range(inputs["k_pages"].shape[0]))
         H, H_kv = inputs["q"].shape[1], inputs["k_pages"].shape[1]
         assert {"MHA": H_kv == H > 1, "GQA": 1 < H_kv < H, "MQA": H_kv == 1 < H}[kind(layout)]
-    for case, (ends, table) in APPENDS.items():
-        inputs, _ = sent[f"append-random[{case}]"]
+    for case, (ends, table, dtype) in APPENDS.items():
+        (inputs,) = sent[f"append-random[{case}]"]
+        assert inputs["k_pages"].dtype == FLOAT_DTYPES[dtype]
         page_size, lengths = inputs["k_pages"].shape[2], inputs["seq_lens"]
         assert all((n % page_size == 0) == (ends == "new tokens starting a page") for n in lengths.tolist())
         pages, _ = paged_kv_definition.new_slots(inputs)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from autograde import registry as exercises
 from autograde import solutions
-from autograde.cases import Draw
+from autograde.cases import FLOAT_DTYPES, Draw
 from autograde.grading import batch
 from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import catalogue, max_score
@@ -61,7 +61,7 @@ SEEN = "very positive sink logits"
 NOTHING = "L > S (rows that see nothing)"
 
 
-def sink_shows(window: str, queries: str, sinks: str) -> bool:
+def sink_shows(window: str, queries: str, sinks: str, dtype: str) -> bool:
     """Where a sink whose value is not 0 shows: a sink logit within reach of the scores, or any sink logit
     on a row that sees nothing (the sink alone in its softmax)."""
     return sinks in ("ordinary sink logits", SEEN) or (sinks != "no sink logits" and queries == NOTHING)
@@ -85,13 +85,14 @@ WRONG = [
             fs("sliding-window-mask", "windowed-attention", "windowed-attention-after-a-cache", "sink-logits"),
             cases("mask-random", MASKS, lambda window, queries: window in INSIDE_OR_ONE)
             | cases("attention-random", ATTENTIONS,
-                    lambda window, queries, sinks: window in INSIDE_OR_ONE and sinks != SEEN)),
+                    lambda window, queries, sinks, dtype: window in INSIDE_OR_ONE and sinks != SEEN)),
     # The band measured from the top-left corner, as if the queries were the first L keys.
     Variant("top-left-alignment", "window", {MASK: replaced(
         "window", MASK, ("last = torch.arange(L)[:, None] + (S - L)", "last = torch.arange(L)[:, None]"))},
         fs("sliding-window-mask", "windowed-attention-after-a-cache", "sink-logits"),
         cases("mask-random", MASKS, lambda window, queries: queries != "L = S")
-        | cases("attention-random", ATTENTIONS, lambda window, queries, sinks: queries != "L = S" and sinks != SEEN)),
+        | cases("attention-random", ATTENTIONS,
+                lambda window, queries, sinks, dtype: queries != "L = S" and sinks != SEEN)),
     # A ring over every slot: the first tokens are overwritten like any other.
     Variant("evicting-the-sinks", "window",
             {CACHE: replaced("window", CACHE, (SLOT, "slot = position % (self.sinks + self.window)"))},
@@ -303,9 +304,9 @@ def test_the_hidden_inputs_are_what_their_case_names_say(seed):
     for case, (window, queries) in MASKS.items():
         (inputs,) = sent[f"mask-random[{case}]"]
         assert all(window_is(window, size, S) and queries_are(queries, L, S) for L, S, size in inputs["shapes"])
-    for case, (window, queries, sinks) in ATTENTIONS.items():
-        inputs, in_float64 = sent[f"attention-random[{case}]"]
-        assert (inputs["q"].dtype, in_float64["q"].dtype) == (torch.float32, torch.float64)
+    for case, (window, queries, sinks, dtype) in ATTENTIONS.items():
+        (inputs,) = sent[f"attention-random[{case}]"]
+        assert inputs["q"].dtype == FLOAT_DTYPES[dtype]
         L, S = inputs["q"].shape[-2], inputs["k"].shape[-2]
         assert window_is(window, inputs["window"], S) and queries_are(queries, L, S)
         logits = inputs.get("sink_logits")

@@ -14,7 +14,8 @@ a recomputed forward, chunked to keep the memory rule, is what it catches).
 
 The hidden tests are parametrised by the contract's axes, as in `flash_forward`: L < S, L = S,
 L > S; lengths ragged or multiples of the blocks; causal or not; the default blocks or given
-ones; each case in float32 and float64, and float16 cases of their own (a float32 lse, as the
+ones; each case in float32 or float64 (every value of every axis meets both),
+and float16 cases of their own (a float32 lse, as the
 forward returns it, and gradients in float16). Every hidden case has at least two key blocks
 past the first, so that a D_i summed over one key block only shows.
 """
@@ -26,7 +27,7 @@ import math
 import pytest
 import torch
 
-from autograde.cases import Draw, Inputs
+from autograde.cases import FLOAT_DTYPES, Draw, Inputs, alternate_dtypes
 from autograde.exercises.flash_backward import (
     APPLY_RECORDED,
     BACKWARD,
@@ -63,8 +64,8 @@ BY_HAND_RULE, BY_HAND_APPLY_RULE = judge.by_hand(BACKWARD), judge.by_hand(f"{FUN
 
 # The axes of the hidden tests: those of the forward pass; FlashAttention.apply has the default blocks only.
 BACKWARD_CASES = FORWARD_CASES
-APPLY_CASES = {f"{lengths}, {edges}, {causal}": (lengths, edges, causal)
-               for lengths in LENGTHS for edges in EDGES for causal in CAUSAL}
+APPLY_CASES = alternate_dtypes({f"{lengths}, {edges}, {causal}": (lengths, edges, causal)
+                                for lengths in LENGTHS for edges in EDGES for causal in CAUSAL})
 
 
 def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, causal: bool,
@@ -165,7 +166,7 @@ def random_backward(draw: Draw, lengths: str, edges: str, causal: bool, blocks: 
 
 
 def random_apply(draw: Draw, lengths: str, edges: str, causal: bool) -> Inputs:
-    """In float64; the test casts them to float32 too."""
+    """In float64; the test casts them to its case's dtype."""
     L, S = draw_lengths(draw, lengths, edges, DEFAULT_BLOCK, DEFAULT_BLOCK)
     values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
                              torch.float64, causal)
@@ -240,15 +241,16 @@ def test_saved_tensors_rule(submission, reference, draw):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("lengths, edges, causal, blocks", list(BACKWARD_CASES.values()), ids=list(BACKWARD_CASES))
+@pytest.mark.parametrize("lengths, edges, causal, blocks, dtype", list(BACKWARD_CASES.values()),
+                         ids=list(BACKWARD_CASES))
 @pytest.mark.points(1.0)
 @pytest.mark.uses(BACKWARD)
-def test_backward_random(submission, reference, draw, lengths, edges, causal, blocks):
-    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 and float64"""
+def test_backward_random(submission, reference, draw, lengths, edges, causal, blocks, dtype):
+    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 or float64"""
     drawn = random_backward(draw, lengths, edges, CAUSAL[causal], blocks, torch.float64)
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.backward(inputs), reference.backward(inputs)
-        assert_same(got, expected, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.backward(inputs), reference.backward(inputs)
+    assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
@@ -263,16 +265,16 @@ def test_backward_float16_random(submission, reference, draw, lengths, causal):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("lengths, edges, causal", list(APPLY_CASES.values()), ids=list(APPLY_CASES))
+@pytest.mark.parametrize("lengths, edges, causal, dtype", list(APPLY_CASES.values()), ids=list(APPLY_CASES))
 @pytest.mark.points(1.5)
 @pytest.mark.uses(FUNCTION)
-def test_flash_attention_apply_random(submission, reference, draw, lengths, edges, causal):
-    """FlashAttention.apply: L < S, L = S, L > S; ragged or not; causal or not; float32 and float64"""
+def test_flash_attention_apply_random(submission, reference, draw, lengths, edges, causal, dtype):
+    """FlashAttention.apply: L < S, L = S, L > S; ragged or not; causal or not; float32 or float64"""
     drawn = random_apply(draw, lengths, edges, CAUSAL[causal])
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
-        assert_same(got, expected, inputs, ignore=BY_HAND_APPLY_RULE.keys)
-        assert_rule(got, expected, BY_HAND_APPLY_RULE, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.apply_gradients(inputs), reference.apply_gradients(inputs)
+    assert_same(got, expected, inputs, ignore=BY_HAND_APPLY_RULE.keys)
+    assert_rule(got, expected, BY_HAND_APPLY_RULE, inputs)
 
 
 @pytest.mark.hidden

@@ -14,7 +14,8 @@ where the modes do not look, are caught as well.
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
 that every graded run covers every value of each; the seed draws only sizes and values: for
 the forward pass, L < S, L = S and L > S; lengths ragged or multiples of the blocks; causal or
-not; the default blocks or given ones; each case in float32 and float64, and float16 cases of
+not; the default blocks or given ones; each case in float32 or float64 (every value of every
+axis meets both), and float16 cases of
 their own (out in float16, lse in float32). Every hidden case has at least two key blocks past
 the first, so that forgetting to rescale the running state shows; for the online softmax, a
 row that is a multiple of the block, one with a ragged last block, and one block as wide as
@@ -28,7 +29,7 @@ import math
 import pytest
 import torch
 
-from autograde.cases import Draw, Inputs
+from autograde.cases import FLOAT_DTYPES, Draw, Inputs, alternate_dtypes
 from autograde.exercises.flash_forward import (
     DEFAULT_BLOCK,
     FORWARD,
@@ -72,8 +73,8 @@ EDGES = ("ragged lengths", "lengths multiples of the blocks")
 CAUSAL = {"causal": True, "not causal": False}
 BLOCKS = ("default blocks", "given blocks")
 WIDTHS = ("width a multiple of the block", "ragged last block", "one block as wide as the row or wider")
-FORWARD_CASES = {f"{lengths}, {edges}, {causal}, {blocks}": (lengths, edges, causal, blocks)
-                 for lengths in LENGTHS for edges in EDGES for causal in CAUSAL for blocks in BLOCKS}
+FORWARD_CASES = alternate_dtypes({f"{lengths}, {edges}, {causal}, {blocks}": (lengths, edges, causal, blocks)
+                                  for lengths in LENGTHS for edges in EDGES for causal in CAUSAL for blocks in BLOCKS})
 FLOAT16_CASES = {f"{lengths}, {causal}": (lengths, causal) for lengths in LENGTHS for causal in CAUSAL}
 # The fewest rows per head in a hidden case, and the keys past two blocks that at least as many rows see.
 FEWEST_ROWS = 16
@@ -411,15 +412,15 @@ def test_online_softmax_random(submission, reference, draw, width):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("lengths, edges, causal, blocks", list(FORWARD_CASES.values()), ids=list(FORWARD_CASES))
+@pytest.mark.parametrize("lengths, edges, causal, blocks, dtype", list(FORWARD_CASES.values()), ids=list(FORWARD_CASES))
 @pytest.mark.points(1.0)
 @pytest.mark.uses(FORWARD)
-def test_forward_random(submission, reference, draw, lengths, edges, causal, blocks):
-    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 and float64"""
+def test_forward_random(submission, reference, draw, lengths, edges, causal, blocks, dtype):
+    """L < S, L = S, L > S; ragged or not; causal or not; default or given blocks; float32 or float64"""
     drawn = random_attention(draw, lengths, edges, CAUSAL[causal], blocks, torch.float64)
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.forward(inputs), reference.forward(inputs)
-        assert_attention(got, expected, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.forward(inputs), reference.forward(inputs)
+    assert_attention(got, expected, inputs)
 
 
 @pytest.mark.hidden

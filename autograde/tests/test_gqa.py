@@ -4,7 +4,8 @@ The hidden tests are parametrised by the axes along which the contract lets inpu
 every graded run covers every value of each; the seed draws only sizes and values:
 repeat_kv's `n_rep` (1, or more; on one and on several key/value heads); the module's layout
 (MHA, GQA, MQA), biases (on, off) and mask (none, (T, T), (B, 1, T, T), (B, H, T, T)), each case
-in float32 and float64; mha_to_gqa's biases and the layout converted to; kv_cache_bytes with
+in float32 or float64 (every value of every axis meets both); mha_to_gqa's biases and the layout
+converted to; kv_cache_bytes with
 `bytes_per_element` left to its default or given.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autograde.cases import Draw, Inputs
+from autograde.cases import FLOAT_DTYPES, Draw, Inputs, alternate_dtypes
 from autograde.exercises.gqa import (
     BYTES,
     CONVERT,
@@ -35,9 +36,9 @@ BIASES = {"with biases": True, "without biases": False}
 MASKS = ("no mask", "mask (T, T)", "mask (B, 1, T, T)", "mask (B, H, T, T)")
 REPEATS = ("n_rep 1", "n_rep 2 or more")
 ELEMENT_SIZES = ("bytes_per_element by default", "bytes_per_element given")
-ATTENTION_CASES = {f"{layout}, {bias}, {mask}": (layout, bias, mask)
-                   for layout in LAYOUTS for bias in BIASES for mask in MASKS}
-CONVERSION_CASES = {f"to {layout}, {bias}": (layout, bias) for layout in LAYOUTS for bias in BIASES}
+ATTENTION_CASES = alternate_dtypes({f"{layout}, {bias}, {mask}": (layout, bias, mask)
+                                    for layout in LAYOUTS for bias in BIASES for mask in MASKS})
+CONVERSION_CASES = alternate_dtypes({f"to {layout}, {bias}": (layout, bias) for layout in LAYOUTS for bias in BIASES})
 
 
 def projection_weights(draw: Draw, d_model: int, num_heads: int, num_kv_heads: int, bias: bool, dtype) -> dict:
@@ -124,7 +125,7 @@ def repeat_random_inputs(draw: Draw, repeat: str) -> Inputs:
 
 
 def attention_random_inputs(draw: Draw, layout: str, bias: bool, mask: str) -> Inputs:
-    """In float64; the test casts them to float32 too."""
+    """In float64; the test casts them to its case's dtype."""
     num_heads, num_kv_heads = layout_heads(draw, layout)
     d_model, dtype = num_heads * draw.integer(1, 3), torch.float64
     B, T = draw.integer(2, 3), draw.integer(2, 7)
@@ -139,7 +140,7 @@ def attention_random_inputs(draw: Draw, layout: str, bias: bool, mask: str) -> I
 
 
 def conversion_random_inputs(draw: Draw, layout: str, bias: bool) -> Inputs:
-    """In float64; the test casts them to float32 too."""
+    """In float64; the test casts them to its case's dtype."""
     num_heads, num_kv_heads = layout_heads(draw, layout)
     d_model = num_heads * draw.integer(1, 4)
     return Inputs({**mha_state_dict(draw, d_model, bias, torch.float64), "num_heads": num_heads,
@@ -233,27 +234,27 @@ def test_repeat_kv_random(submission, reference, draw, repeat):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("layout, bias, mask", list(ATTENTION_CASES.values()), ids=list(ATTENTION_CASES))
+@pytest.mark.parametrize("layout, bias, mask, dtype", list(ATTENTION_CASES.values()), ids=list(ATTENTION_CASES))
 @pytest.mark.points(3.0)
 @pytest.mark.uses(MODULE)
-def test_attention_random(submission, reference, draw, layout, bias, mask):
-    """every layout, with and without biases, under every kind of mask, in float32 and float64"""
+def test_attention_random(submission, reference, draw, layout, bias, mask, dtype):
+    """every layout, with and without biases, under every kind of mask, in float32 or float64"""
     drawn = attention_random_inputs(draw, layout, BIASES[bias], mask)
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.attention(inputs), reference.attention(inputs)
-        assert_same(got, expected, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.attention(inputs), reference.attention(inputs)
+    assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("layout, bias", list(CONVERSION_CASES.values()), ids=list(CONVERSION_CASES))
+@pytest.mark.parametrize("layout, bias, dtype", list(CONVERSION_CASES.values()), ids=list(CONVERSION_CASES))
 @pytest.mark.points(0.75)
 @pytest.mark.uses(CONVERT)
-def test_mha_to_gqa_random(submission, reference, draw, layout, bias):
-    """conversions to MHA, GQA and MQA, with and without biases, in float32 and float64"""
+def test_mha_to_gqa_random(submission, reference, draw, layout, bias, dtype):
+    """conversions to MHA, GQA and MQA, with and without biases, in float32 or float64"""
     drawn = conversion_random_inputs(draw, layout, BIASES[bias])
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.converted(inputs), reference.converted(inputs)
-        assert_same(got, expected, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.converted(inputs), reference.converted(inputs)
+    assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autograde.cases import Draw, Inputs
+from autograde.cases import FLOAT_DTYPES, Draw, Inputs, alternate_dtypes
 from autograde.exercises.kv_cache import STEP
 from autograde.testing import assert_same
 from autograde.tests.test_gqa import BIASES, LAYOUTS, layout_heads, projection_weights
@@ -18,8 +18,9 @@ from autograde.tests.test_gqa import BIASES, LAYOUTS, layout_heads, projection_w
 # The axes of the hidden tests (their values are the test ids); LAYOUTS and BIASES as in `gqa`.
 CACHES = ("no cache", "a given cache")
 CHUNKINGS = ("all in one step", "token by token", "ragged chunks", "several tokens after a first chunk")
-DECODING_CASES = {f"{layout}, {bias}, {cache}, {chunking}": (layout, bias, cache, chunking)
-                  for layout in LAYOUTS for bias in BIASES for cache in CACHES for chunking in CHUNKINGS}
+DECODING_CASES = alternate_dtypes({f"{layout}, {bias}, {cache}, {chunking}": (layout, bias, cache, chunking)
+                                   for layout in LAYOUTS for bias in BIASES
+                                   for cache in CACHES for chunking in CHUNKINGS})
 LONG_CACHES = ("no cache", "an empty cache (t = 0)")
 
 
@@ -82,7 +83,7 @@ def chunk_sizes(draw: Draw, chunking: str, length: int) -> list[int]:
 
 
 def decoding_random_inputs(draw: Draw, layout: str, bias: bool, cache: str, chunking: str) -> Inputs:
-    """In float64; the test casts them to float32 too."""
+    """In float64; the test casts them to its case's dtype."""
     num_heads, num_kv_heads = layout_heads(draw, layout)
     length = draw.integer(5, 9)
     cached = None if cache == "no cache" else draw.integer(1, 5)
@@ -141,15 +142,16 @@ def test_given_cache(submission, reference, draw):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("layout, bias, cache, chunking", list(DECODING_CASES.values()), ids=list(DECODING_CASES))
+@pytest.mark.parametrize("layout, bias, cache, chunking, dtype", list(DECODING_CASES.values()),
+                         ids=list(DECODING_CASES))
 @pytest.mark.points(3.0)
 @pytest.mark.uses(STEP)
-def test_decoding_random(submission, reference, draw, layout, bias, cache, chunking):
-    """every layout, biases on and off, no cache and a given one, every chunking, in float32 and float64"""
+def test_decoding_random(submission, reference, draw, layout, bias, cache, chunking, dtype):
+    """every layout, biases on and off, no cache and a given one, every chunking, in float32 or float64"""
     drawn = decoding_random_inputs(draw, layout, BIASES[bias], cache, chunking)
-    for inputs in (drawn.cast(torch.float32), drawn):
-        got, expected = submission.decode(inputs), reference.decode(inputs)
-        assert_same(got, expected, inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    got, expected = submission.decode(inputs), reference.decode(inputs)
+    assert_same(got, expected, inputs)
 
 
 @pytest.mark.hidden

@@ -6,8 +6,9 @@ ceil(S / num_splits) keys, the last ones shorter or empty. The hidden tests are 
 contract's axes, so that every graded run covers every value of each: for the merge, logsumexps of
 ordinary and of large magnitudes (past where exp overflows or underflows) in float32 and float64; for
 the attention, one split, splits that divide S, splits that do not, more splits than keys (empty
-chunks), one query (decoding) and several, causal or not, and the MHA, GQA and MQA layouts, each in
-float32 and float64, plus scores large enough that a merge without the maximum overflows.
+chunks), one query (decoding) and several, causal or not, and the MHA, GQA and MQA layouts, each case in
+float32 or float64 (every value of every axis meets both), plus scores large enough that a merge
+without the maximum overflows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import pytest
 import torch
 
-from autograde.cases import Draw, Inputs
+from autograde.cases import FLOAT_DTYPES, Draw, Inputs, alternate_dtypes
 from autograde.exercises.split_kv import MERGE, SPLIT
 from autograde.testing import assert_same
 from autograde.tests.test_gqa import LAYOUTS, layout_heads
@@ -29,8 +30,8 @@ MERGE_CASES = {f"{magnitude}, {dtype}": (magnitude, dtype) for magnitude in MAGN
 SPLITS = ("one split", "splits dividing S", "splits not dividing S", "more splits than keys")
 QUERIES = ("L = 1 (decoding)", "L > 1")
 CAUSAL = {"not causal": False, "causal (bottom-right)": True}
-SPLIT_CASES = {f"{splits}, {queries}, {causal}, {layout}": (splits, queries, causal, layout)
-               for splits in SPLITS for queries in QUERIES for causal in CAUSAL for layout in LAYOUTS}
+SPLIT_CASES = alternate_dtypes({f"{splits}, {queries}, {causal}, {layout}": (splits, queries, causal, layout)
+                                for splits in SPLITS for queries in QUERIES for causal in CAUSAL for layout in LAYOUTS})
 # |lse| past where exp overflows (88.7 in float32, 709.8 in float64) and underflows to 0 (-103.3 and
 # -744.4), yet small enough that float32 holds exp(lse_a - lse) to a few parts in a million (its spacing
 # below 128 is 7.6e-6).
@@ -160,7 +161,7 @@ def split_sizes(draw: Draw, splits: str) -> tuple[int, int]:
 
 
 def split_random_inputs(draw: Draw, splits: str, queries: str, causal: bool, layout: str) -> Inputs:
-    """In float64; the test casts them to float32 too. 1 <= L < S: every row attends a key, and a causal mask
+    """In float64; the test casts them to its case's dtype. 1 <= L < S: every row attends a key, and a causal mask
     aligned top-left would differ."""
     H, H_kv = layout_heads(draw, layout)
     S, num_splits = split_sizes(draw, splits)
@@ -252,14 +253,14 @@ def test_merge_random(submission, reference, draw, magnitude, dtype):
 
 
 @pytest.mark.hidden
-@pytest.mark.parametrize("splits, queries, causal, layout", list(SPLIT_CASES.values()), ids=list(SPLIT_CASES))
+@pytest.mark.parametrize("splits, queries, causal, layout, dtype", list(SPLIT_CASES.values()), ids=list(SPLIT_CASES))
 @pytest.mark.points(3.0)
 @pytest.mark.uses(SPLIT)
-def test_split_kv_random(submission, reference, draw, splits, queries, causal, layout):
-    """every kind of chunking, one query and several, causal or not, every layout, in float32 and float64"""
+def test_split_kv_random(submission, reference, draw, splits, queries, causal, layout, dtype):
+    """every kind of chunking, one query and several, causal or not, every layout, in float32 or float64"""
     drawn = split_random_inputs(draw, splits, queries, CAUSAL[causal], layout)
-    for inputs in (drawn.cast(torch.float32), drawn):
-        assert_same(submission.splits(inputs), reference.splits(inputs), inputs)
+    inputs = drawn.cast(FLOAT_DTYPES[dtype])
+    assert_same(submission.splits(inputs), reference.splits(inputs), inputs)
 
 
 @pytest.mark.hidden
