@@ -22,8 +22,8 @@ import sqlite3
 import sys
 import time
 import traceback
-from collections import Counter, defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections import Counter, defaultdict, deque
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 from tqdm import tqdm
@@ -216,9 +216,54 @@ def grade_one(submitted: Path, student: str, exercise: Exercise, seed: int, limi
 
 
 def _grade_in_grading_process(submitted: Path, student: str, exercise_id: str, seed: int, limits: sandbox.Limits,
-                              others: list[str] | None) -> str:
-    """`grade_one` in a grading process of the pool; the row comes back as JSON, the journal's format."""
-    return to_json(grade_one(submitted, student, EXERCISES[exercise_id], seed, limits, others))
+                              others: list[str] | None) -> tuple[int, str]:
+    """`grade_one` in a grading process of the pool: the process, and the row as JSON, the journal's format."""
+    return os.getpid(), to_json(grade_one(submitted, student, EXERCISES[exercise_id], seed, limits, others))
+
+
+Task = tuple[str, Exercise]  # (student, exercise)
+
+
+class ExercisesShared:
+    """Which notebook a grading process grades next: one of the exercise it graded last, else of
+    another it has graded, else of one that no process has begun, else of the exercise with the most
+    notebooks left. A process pays once for each exercise it grades (collecting its tests, the
+    visible tests' references, the first calls of its functions); sharing the exercises out between
+    processes pays those once in the run where it can, which a small class feels most."""
+
+    def __init__(self, tasks: list[Task]):
+        self.left: dict[str, deque[Task]] = defaultdict(deque)  # by exercise, in the run's order
+        for task in tasks:
+            self.left[task[1].id].append(task)
+        self.graded: dict[int, list[str]] = defaultdict(list)  # by process: its exercises, the latest last
+        self.begun: set[str] = set()
+
+    def first(self, count: int) -> list[Task]:
+        """Tasks for `count` processes that have graded nothing yet: of as many exercises as there are."""
+        chosen = []
+        while len(chosen) < count and any(self.left.values()):
+            fresh = [e for e, tasks in self.left.items() if tasks and e not in self.begun]
+            chosen.append(self._take(fresh[0] if fresh else self._most_left()))
+        return chosen
+
+    def done(self, process: int, exercise_id: str) -> Task | None:
+        """`process` has graded a notebook of `exercise_id`: what it grades next, if anything is left."""
+        graded = self.graded[process]
+        if exercise_id in graded:
+            graded.remove(exercise_id)
+        graded.append(exercise_id)
+        mine = [e for e in reversed(graded) if self.left[e]]
+        fresh = [e for e, tasks in self.left.items() if tasks and e not in self.begun]
+        if mine or fresh or any(self.left.values()):
+            return self._take(mine[0] if mine else fresh[0] if fresh else self._most_left())
+        return None
+
+    def _most_left(self) -> str:
+        return max(self.left, key=lambda e: len(self.left[e]))
+
+    def _take(self, exercise_id: str) -> Task:
+        self.begun.add(exercise_id)
+        return self.left[exercise_id].popleft()
 
 
 def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
@@ -230,7 +275,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     exercises are chosen from the whole class, so that every shard grades the same ones.
 
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
-    in as many grading processes (trusted: they run the tests, each with its own fork server).
+    in as many grading processes (trusted: they run the tests, each with its own fork server),
+    which share the exercises out (`ExercisesShared`).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
@@ -288,13 +334,28 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
             pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                        initializer=_grading_process_setup,
                                        initargs=(max(1, len(os.sched_getaffinity(0)) // workers),))
+            shared = ExercisesShared(tasks)
+            futures: dict = {}  # one notebook per process at a time: the process that finished one takes the next
+
+            def submit(task: Task) -> None:
+                student, exercise = task
+                futures[pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
+                                    twins.get(student))] = student
+
             try:
-                futures = {pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
-                                       twins.get(student)): student for student, exercise in tasks}
-                for future in as_completed(futures):
-                    grade = from_json(future.result())
-                    record(futures[future], grade)
-                    finished(bar, grade, futures[future])
+                for task in shared.first(workers):
+                    submit(task)
+                while futures:
+                    finished_now, _ = wait(futures, return_when=FIRST_COMPLETED)
+                    for future in finished_now:
+                        student = futures.pop(future)
+                        grader, row = future.result()
+                        grade = from_json(row)
+                        record(student, grade)
+                        finished(bar, grade, student)
+                        following = shared.done(grader, grade.exercise.id)
+                        if following:
+                            submit(following)
                 bar.set_postfix_str(STOPPING)
             except BaseException:
                 for process in list(getattr(pool, "_processes", {}).values()):
