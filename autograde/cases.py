@@ -67,6 +67,7 @@ def alternate_dtypes(table: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[st
                 raise ValueError(f"{value!r} meets {sorted(met)} only: the table is not a product of two axes or more")
     return cases
 
+
 @dataclass(frozen=True)
 class Inputs:
     """What a test case feeds the functions: tensors and plain values, and a note on them."""

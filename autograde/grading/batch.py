@@ -252,11 +252,11 @@ class ExercisesShared:
         if exercise_id in graded:
             graded.remove(exercise_id)
         graded.append(exercise_id)
+        if not any(self.left.values()):
+            return None
         mine = [e for e in reversed(graded) if self.left[e]]
         fresh = [e for e, tasks in self.left.items() if tasks and e not in self.begun]
-        if mine or fresh or any(self.left.values()):
-            return self._take(mine[0] if mine else fresh[0] if fresh else self._most_left())
-        return None
+        return self._take(mine[0] if mine else fresh[0] if fresh else self._most_left())
 
     def _most_left(self) -> str:
         return max(self.left, key=lambda e: len(self.left[e]))
