@@ -642,25 +642,20 @@ def test_grading_processes_share_the_exercises_out_and_each_keeps_to_those_it_be
     sdpa, mha, gqa = (exercises.get(e) for e in ("sdpa", "mha", "gqa"))
     tasks = [(student, exercise) for student in ("ada", "bo", "cy") for exercise in (sdpa, mha, gqa)]
     shared = ExercisesShared(tasks)
-    first = shared.first(2)
-    assert [(s, e.id) for s, e in first] == [("ada", "sdpa"), ("ada", "mha")]  # two exercises, one each
-    handed = list(first)
+    handed = shared.first(2)
+    assert [(s, e.id) for s, e in handed] == [("ada", "sdpa"), ("ada", "mha")]  # two exercises, one each
+
+    def after(process: int, exercise_id: str) -> tuple[str, str]:
+        """What `process` is handed after a notebook of `exercise_id`, as (student, exercise)."""
+        task = shared.done(process, exercise_id)
+        handed.append(task)
+        return task[0], task[1].id
+
     # Process 1 keeps to sdpa, process 2 to mha; the first to run out begins gqa, which no one has.
-    assert [(s, e.id) for s, e in [shared.done(1, "sdpa"), shared.done(1, "sdpa")]] == [("bo", "sdpa"), ("cy", "sdpa")]
-    handed += [t for t in tasks if t[1] is sdpa and t[0] != "ada"]
-    following = shared.done(1, "sdpa")
-    assert (following[0], following[1].id) == ("ada", "gqa")
-    handed.append(following)
-    following = shared.done(2, "mha")
-    assert (following[0], following[1].id) == ("bo", "mha")
-    handed.append(following)
-    following = shared.done(2, "mha")
-    assert (following[0], following[1].id) == ("cy", "mha")
-    handed.append(following)
+    assert [after(1, "sdpa"), after(1, "sdpa"), after(1, "sdpa")] == [("bo", "sdpa"), ("cy", "sdpa"), ("ada", "gqa")]
+    assert [after(2, "mha"), after(2, "mha")] == [("bo", "mha"), ("cy", "mha")]
     # Nothing of its own left and nothing unbegun: it helps with the exercise that has the most left.
-    following = shared.done(2, "mha")
-    assert (following[0], following[1].id) == ("bo", "gqa")
-    handed.append(following)
+    assert after(2, "mha") == ("bo", "gqa")
     while (following := shared.done(2, "gqa")) is not None:
         handed.append(following)
     assert sorted((s, e.id) for s, e in handed) == sorted((s, e.id) for s, e in tasks)  # each once
