@@ -323,9 +323,9 @@ MARGIN_ANSWERS = {"solution": {}, "masks-in-numpy": {"flash_attention_forward": 
 
 def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float, float]:
     """flash_forward's two cases measured from outside, as the hidden tests measure them, on `seed`'s
-    inputs: the causal/full ratio of the fastest CPU times of every call, the same of the first pair
-    of calls alone (where the test stops when it is clear), and the memory gained and touched over
-    what `rules.judge.whole_scores` allows."""
+    inputs: the causal/full ratio of the fastest CPU times of every call, the largest ratio of one
+    pair of calls among the first pairs (the test stops there when each is clear), and the memory
+    gained and touched over what `rules.judge.whole_scores` allows."""
     exercise = registry.get("flash_forward")
     cells = extract.code_cells(learner_notebook("flash_forward", answers))
     submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
@@ -344,14 +344,15 @@ def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float, flo
     finally:
         submission.close()
     scores = whole["q"].shape[-2] * whole["k"].shape[-2]
-    return (min(seconds[True]) / min(seconds[False]), seconds[True][0] / seconds[False][0],
+    pairs = [causal / full for causal, full in zip(seconds[True], seconds[False], strict=True)]
+    return (min(seconds[True]) / min(seconds[False]), max(pairs[:tests.WORK_TIME_CLEAR_PAIRS]),
             (peak.growth_bytes + peak.referenced_bytes) / (2 * scores))
 
 
 def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_seeds_beside_a_cpu_hog():
     """The margins the hidden cases measured from outside rely on, with another process spinning on a
-    core: the work rule allows 0.85 (causal over full CPU time) and stops after one pair of calls at
-    0.7 or less, the whole-scores rule 1 (memory over all the scores at two bytes each)."""
+    core: the work rule allows 0.85 (causal over full CPU time) and stops after two pairs of calls
+    each at 0.7 or less, the whole-scores rule 1 (memory over all the scores at two bytes each)."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         measured_costs = {(name, seed): outside_costs(answers, seed)
@@ -360,8 +361,8 @@ def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_see
         hog.kill()
         hog.wait()
     work = {name: [measured_costs[name, seed][0] for seed in SEEDS] for name in MARGIN_ANSWERS}
-    first_pair = {name: [measured_costs[name, seed][1] for seed in SEEDS] for name in MARGIN_ANSWERS}
+    first_pairs = {name: [measured_costs[name, seed][1] for seed in SEEDS] for name in MARGIN_ANSWERS}
     memory = {name: [measured_costs[name, seed][2] for seed in SEEDS] for name in MARGIN_ANSWERS}
     assert max(work["solution"]) <= 0.7 and min(work["masks-in-numpy"]) >= 0.95, work
-    assert tests.WORK_TIME_CLEAR <= 0.7 and min(first_pair["masks-in-numpy"]) >= 0.95, first_pair
+    assert tests.WORK_TIME_CLEAR <= 0.7 and min(first_pairs["masks-in-numpy"]) >= 0.95, first_pairs
     assert max(memory["solution"]) <= 0.5 and min(memory["whole-matrix"]) >= 1.5, memory
