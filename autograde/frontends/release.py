@@ -25,12 +25,10 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from autograde import course, registry, solutions
 from autograde.cases import Exercise
 from autograde.grading import expected
-from autograde.grading.local import LocalSubmission
+from autograde.grading.local import LocalSubmission, one_thread
 from autograde.grading.reference import Reference
 from autograde.grading.session import Session, TestInfo, catalogue
 from autograde.sandbox import wire
@@ -186,12 +184,8 @@ def record_expected(exercise: Exercise) -> dict[str, Any]:
     reference = Reference(exercise, recording=True)
     session = Session(exercise, lambda: LocalSubmission(exercise, solutions.namespace(exercise)),
                       visible_only=True, own_reference=reference)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         session.run()
-    finally:
-        torch.set_num_threads(threads)
     failed = [result.name for result in session.results.values() if not result.passed]
     if failed:
         raise RuntimeError(f"the solution of {exercise.id} fails its visible tests {failed}: nothing released")

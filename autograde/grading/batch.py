@@ -242,8 +242,7 @@ class ExercisesShared:
         """Tasks for `count` processes that have graded nothing yet: of as many exercises as there are."""
         chosen = []
         while len(chosen) < count and any(self.left.values()):
-            fresh = [e for e, tasks in self.left.items() if tasks and e not in self.begun]
-            chosen.append(self._take(fresh[0] if fresh else self._most_left()))
+            chosen.append(self._take(self._unbegun() or self._most_left()))
         return chosen
 
     def done(self, process: int, exercise_id: str) -> Task | None:
@@ -254,9 +253,12 @@ class ExercisesShared:
         graded.append(exercise_id)
         if not any(self.left.values()):
             return None
-        mine = [e for e in reversed(graded) if self.left[e]]
-        fresh = [e for e, tasks in self.left.items() if tasks and e not in self.begun]
-        return self._take(mine[0] if mine else fresh[0] if fresh else self._most_left())
+        mine = next((e for e in reversed(graded) if self.left[e]), None)
+        return self._take(mine or self._unbegun() or self._most_left())
+
+    def _unbegun(self) -> str | None:
+        """The first exercise with notebooks left that no process has begun."""
+        return next((e for e, tasks in self.left.items() if tasks and e not in self.begun), None)
 
     def _most_left(self) -> str:
         return max(self.left, key=lambda e: len(self.left[e]))

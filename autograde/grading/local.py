@@ -21,6 +21,17 @@ from autograde.sandbox.tripwire import Tripwire
 from autograde.submission.forbidden import Violation
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread within, as in the grader's worker; on as many as before afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class LocalSubmission(Proxy):
     """The learner's functions in this process (their own kernel): calls observed as the worker observes them."""
 
@@ -53,15 +64,13 @@ class LocalSubmission(Proxy):
             start, read_peak = procfs.status_kib("self", "VmRSS") * 1024, _peak_since_reset
         except OSError:
             start, read_peak = _peak_so_far(), _peak_so_far
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        cpu = time.process_time()
-        try:
-            yield cost
-        finally:
-            cost.growth_bytes = max(0, read_peak() - start)
-            cost.cpu_seconds = time.process_time() - cpu
-            torch.set_num_threads(threads)
+        with one_thread():
+            cpu = time.process_time()
+            try:
+                yield cost
+            finally:
+                cost.growth_bytes = max(0, read_peak() - start)
+                cost.cpu_seconds = time.process_time() - cpu
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         self.log.append(f"{name}({describe_arguments(args, kwargs)})")
