@@ -67,7 +67,7 @@ def test_reasons_say_what_went_wrong(class_grades):
     assert "not valid JSON" in reason["dan", "sdpa"]
     assert "no attention/mha.ipynb was submitted" in reason["dan", "mha"]
     assert "empty (0 bytes)" in reason["eve", "sdpa"]
-    assert "uses torch.nn.functional.multi_head_attention_forward" in reason["eve", "mha"]
+    assert "uses torch.nn.MultiheadAttention.forward" in reason["eve", "mha"]
 
 
 def test_each_row_carries_its_assignments_and_its_students_totals(class_grades):

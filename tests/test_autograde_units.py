@@ -6,6 +6,7 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -208,7 +209,38 @@ def test_the_tripwire_catches_nn_multiheadattention_in_eval_mode_too():
     with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire, torch.no_grad():
         with pytest.raises(ForbiddenCall):
             torch_mha(x, x, x)
+    assert [v.name for v in tripwire.violations] == ["torch.nn.MultiheadAttention.forward"]
+
+
+def test_the_tripwire_stops_flex_attention_under_its_own_name():
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.randn(1, 1, 8, 4)
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        with pytest.raises(ForbiddenCall):
+            flex_attention(q, q, q)
+    assert [v.name for v in tripwire.violations] == ["torch.nn.attention.flex_attention.flex_attention"]
+
+
+def test_the_tripwire_stops_a_python_function_under_any_name_in_any_thread_and_gives_its_code_back():
+    own_code = F.multi_head_attention_forward.__code__
+    alias, stopped = F.multi_head_attention_forward, []
+
+    def call_in_a_thread():
+        try:
+            alias()
+        except ForbiddenCall:
+            stopped.append(True)
+
+    with Tripwire(NOT_ALLOWED_ATTENTION) as tripwire:
+        worker = threading.Thread(target=call_in_a_thread)
+        worker.start()
+        worker.join()
+        assert tripwire.intact()
+        F.multi_head_attention_forward.__code__ = own_code  # put back by the learner: no longer standing
+        assert not tripwire.intact()
+    assert stopped == [True]
     assert [v.name for v in tripwire.violations] == ["torch.nn.functional.multi_head_attention_forward"]
+    assert F.multi_head_attention_forward.__code__ is own_code
 
 
 SOFTMAX_BY_ANOTHER_NAME = {

@@ -475,7 +475,7 @@ def test_softmax_is_not_allowed_in_the_source_nor_hidden(tmp_path: Path):
     hidden = header + ("def online_softmax(x, block_size):\n"
                        "    return getattr(x, 'soft' + 'max')(dim=-1)\n")
     _, violations = grade_in_process("flash_forward", {"online_softmax": hidden})
-    assert [v.name for v in violations] == ["torch.Tensor.softmax"]
+    assert [v.name for v in violations] == ["torch.softmax"]  # the operator underneath, by its family's name
 
 
 @pytest.mark.timeout(300)

@@ -1,24 +1,29 @@
 """The tripwire: a not-allowed function stopped and recorded while the submission runs.
 
-It catches what the source hides from the scan (`autograde.submission.forbidden`): as a torch
-function mode, aliases, `getattr` and a module calling one for you (as `nn.MultiheadAttention`
-calls `F.multi_head_attention_forward`); by replacing the kernels of the operators underneath
-(`aten._softmax`, PyTorch's attention kernels) in the dispatcher, those operators however they
-were reached, `torch.ops.aten` or `DisableTorchFunction` included. It runs in the learner's
-process, which can switch it off: it is advisory, and the scan and the rules' tests are what
-count. In the sandbox its findings leave the process as they happen (`report`), and after each
-call the worker says whether it still stands (`intact`).
+It catches what the source hides from the scan (`autograde.submission.forbidden`), at two levels.
+A not-allowed function written in Python (`F.multi_head_attention_forward`,
+`nn.MultiheadAttention.forward`, flex_attention, `F.softmax`) has its code replaced by a stopper,
+so the function object stops under any name it is reached by: an alias, `getattr`, a module
+calling it for you. The functions written in C (`F.scaled_dot_product_attention`, `torch.softmax`,
+`Tensor.logsumexp`...) stop at the operators underneath: their kernels (`aten._softmax`, PyTorch's
+attention kernels) are replaced in the dispatcher, those operators however they were reached,
+`torch.ops.aten` or `DisableTorchFunction` included. Both levels hold for every thread of the
+process, and neither costs the calls that are allowed anything (a torch function mode, which saw
+every torch call in Python, made the flash exercises' block loops 1.25 to 1.5 times slower).
+It runs in the learner's process, which can switch it off: it is advisory, and the scan and the
+rules' tests are what count. In the sandbox its findings leave the process as they happen
+(`report`), and after each call the worker says whether it still stands (`intact`).
 """
 
 from __future__ import annotations
 
 import importlib
 import traceback
+import types
 import warnings
 from typing import Iterable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from autograde.observe import learner_line
 from autograde.submission.forbidden import Violation
@@ -42,17 +47,20 @@ def resolve(name: str):
     raise ImportError(name)
 
 
-# The operators underneath a not-allowed function, by the contract's name for it: what reaches
-# them is that function, under whatever name (PyTorch's attention kernels, and `_safe_softmax`,
-# the softmax of its unfused attention; the softmax family's operators).
+# The operators underneath the not-allowed functions written in C, by the name a call that reaches
+# them is reported under: what reaches them is that function, under whatever name (PyTorch's
+# attention kernels, and `_safe_softmax`, the softmax of its unfused attention; the softmax
+# family's operators). Each name is one of the exercises' not-allowed names.
 _OPERATORS = {
     "torch.nn.functional.scaled_dot_product_attention": (
         "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
         "_safe_softmax"),
-    "torch.nn.functional.multi_head_attention_forward": ("_native_multi_head_attention",),
-    "torch.softmax": ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "logsumexp"),
+    "torch._native_multi_head_attention": ("_native_multi_head_attention",),
+    "torch.softmax": ("softmax", "_softmax", "_safe_softmax"),
+    "torch.log_softmax": ("log_softmax", "_log_softmax"),
+    "torch.logsumexp": ("logsumexp",),
 }
 
 
@@ -63,7 +71,7 @@ def operators(not_allowed: Iterable[str]) -> dict:
         for operator in _OPERATORS.get(name, ()):
             packet = getattr(torch.ops.aten, operator, None)  # absent from some builds
             if packet is not None:
-                found.setdefault(packet, f"{name} (as torch.ops.aten.{operator})")
+                found.setdefault(packet, name)
     return found
 
 
@@ -75,13 +83,12 @@ _PROBES = {
 }
 
 
-class Tripwire(TorchFunctionMode):
-    """While active, a call of a not-allowed torch function, or of an operator underneath one, is
+class Tripwire:
+    """While entered, a call of a not-allowed torch function, or of an operator underneath one, is
     recorded, handed to `report` at once (in the worker: sent to the grading process, so that
     what learner code does afterwards cannot take it back) and raises ForbiddenCall."""
 
     def __init__(self, not_allowed: Iterable[str], report=None):
-        super().__init__()
         not_allowed = tuple(not_allowed)
         self.targets = {resolve(name): name for name in not_allowed}
         self._installed_targets = tuple(self.targets.items())
@@ -89,17 +96,19 @@ class Tripwire(TorchFunctionMode):
         self.report = report
         self._probes = [probe for name, probe in _PROBES.items() if name in not_allowed]
         self._probing = False
+        self._functions = _FunctionTripwire(self, {function: name for function, name in self.targets.items()
+                                                   if isinstance(function, types.FunctionType)})
         self._operators = _OperatorTripwire(self, operators(not_allowed))
 
     def intact(self) -> bool:
-        """Whether, while entered, it still stands as it was installed: on the stack of function modes,
-        its targets unchanged, and the operators' kernels still replaced (a call of each kind stops)."""
-        if not (any(mode is self for mode in torch.overrides._get_current_function_mode_stack())
-                and tuple(self.targets.items()) == self._installed_targets):
+        """Whether, while entered, it still stands as it was installed: its targets unchanged, each
+        Python function's code still the stopper, and the operators' kernels still replaced (a call
+        of each kind stops)."""
+        if not (tuple(self.targets.items()) == self._installed_targets and self._functions.standing()):
             return False
         self._probing = True
         try:
-            with torch._C.DisableTorchFunction():
+            with torch._C.DisableTorchFunction():  # a function mode of the learner's cannot answer for it
                 for probe in self._probes:
                     try:
                         probe()
@@ -115,14 +124,15 @@ class Tripwire(TorchFunctionMode):
     def __enter__(self):
         self._operators.__enter__()
         try:
-            return super().__enter__()
+            self._functions.__enter__()
         except BaseException:
             self._operators.__exit__(None, None, None)
             raise
+        return self
 
     def __exit__(self, *exc_info):
         try:
-            return super().__exit__(*exc_info)
+            self._functions.__exit__(*exc_info)
         finally:
             self._operators.__exit__(*exc_info)
 
@@ -135,14 +145,44 @@ class Tripwire(TorchFunctionMode):
                     self.report(violation)
         raise ForbiddenCall(f"{name} is not allowed in this exercise")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        try:
-            name = self.targets.get(func)
-        except TypeError:  # an unhashable callable is none of ours
-            name = None
-        if name is not None:
-            self.stop(name)
-        return func(*args, **(kwargs or {}))
+
+# The stopper's code: a call of the tripwire's `stop` with the function's name, both placed among
+# the code's constants (`_FunctionTripwire`), as the function's own globals are its module's. Its
+# file is this one, which tracebacks and `learner_line` know as the grader's.
+_STOP, _NAME = "tripwire: stop", "tripwire: name"
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "'str' object is not callable": the constants are replaced
+    _STOPPER = next(constant for constant in compile(
+        f"def stopper(*args, **kwargs):\n    return {_STOP!r}({_NAME!r})\n", __file__, "exec").co_consts
+        if isinstance(constant, types.CodeType))
+
+
+class _FunctionTripwire:
+    """The Python half of a `Tripwire`: while entered, each not-allowed function written in Python
+    runs a stopper instead of its own code. The function object itself changes, so every name that
+    refers to it stops, in every thread, and no other call pays anything."""
+
+    def __init__(self, owner: Tripwire, targets: dict):
+        self._stoppers = {function: _STOPPER.replace(
+            co_consts=tuple(owner.stop if c == _STOP else name if c == _NAME else c for c in _STOPPER.co_consts),
+            co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname)
+            for function, name in targets.items()}
+        self._own: list[dict] = []  # for each entry, the functions' own code, to put back at its exit
+
+    def __enter__(self):
+        own = {}
+        self._own.append(own)
+        for function, stopper in self._stoppers.items():
+            own[function] = function.__code__
+            function.__code__ = stopper
+        return self
+
+    def __exit__(self, *exc_info):
+        for function, code in self._own.pop().items():
+            function.__code__ = code
+
+    def standing(self) -> bool:
+        return all(function.__code__ is stopper for function, stopper in self._stoppers.items())
 
 
 # The dispatch keys an operator's kernels are registered under: each device's, and the composite

@@ -39,11 +39,11 @@ from autograde.sandbox.wire import MessageReader, decode_arguments, encode_resul
 from autograde.submission.extract import cell_label
 from autograde.submission.forbidden import Violation
 
-# What a thread started by the notebook is reported as: the tripwire's function mode and the rules'
-# dispatch modes are thread-local, so work done in another thread escapes them.
-THREAD_STARTED = "a thread started during a call (the tripwire and the rules watch the calling thread alone)"
-THREAD_RUNNING = ("a thread the notebook started, running beside the tests' calls (the tripwire and the rules "
-                  "watch the calling thread alone)")
+# What a thread started by the notebook is reported as: the rules' dispatch modes are thread-local,
+# so work done in another thread escapes them.
+THREAD_STARTED = "a thread started during a call (the rules watch the calling thread alone)"
+THREAD_RUNNING = ("a thread the notebook started, running beside the tests' calls (the rules watch the calling "
+                  "thread alone)")
 
 
 class TimeLimit(BaseException):

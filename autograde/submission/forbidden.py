@@ -226,7 +226,7 @@ def scan_graded(cells: Iterable[tuple[str, str]], exercise) -> tuple[list[Violat
 # shown to the instructor, each construct with one line on why it matters.
 _MACHINERY = ("torch.ops", "torch.overrides", "torch.library", "torch.utils._python_dispatch")
 _TORCH_INTERNALS = "torch's private parts and dispatch machinery can switch off the tripwire and the rules' modes"
-_THREADS = "work in another thread escapes the tripwire's mode and the rules, which watch the calling thread"
+_THREADS = "work in another thread escapes the rules, which watch the calling thread"
 _PROCESSES = "work in another process escapes the tripwire and the rules measured in this one"
 _FRAMES = "frames and code objects reach the grader's own objects in the process, the tripwire included"
 _NAMESPACES = "a namespace read or changed by key hands out functions under no name the scan reads"
