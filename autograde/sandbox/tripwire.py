@@ -165,8 +165,7 @@ class _FunctionTripwire:
     def __init__(self, owner: Tripwire, targets: dict):
         self._stoppers = {function: _STOPPER.replace(
             co_consts=tuple(owner.stop if c == _STOP else name if c == _NAME else c for c in _STOPPER.co_consts),
-            co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname)
-            for function, name in targets.items()}
+            co_name=function.__code__.co_name) for function, name in targets.items()}
         self._own: list[dict] = []  # for each entry, the functions' own code, to put back at its exit
 
     def __enter__(self):
