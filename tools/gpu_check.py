@@ -91,7 +91,7 @@ def tripwire_stops_cuda_attention() -> str:
                 F.scaled_dot_product_attention(q, q, q)
             except RuntimeError:
                 continue
-            # Without the torch-function half: only the replaced kernels in the dispatcher can stop it.
+            # F.sdpa is written in C: only the replaced kernels in the dispatcher can stop it, modes or not.
             with Tripwire(NOT_ALLOWED_ATTENTION), torch._C.DisableTorchFunction():
                 try:
                     F.scaled_dot_product_attention(q, q, q)
