@@ -373,7 +373,7 @@ import json, os, sys, tempfile
 from pathlib import Path
 from autograde import registry
 from autograde.grading.sandboxed import SandboxedSubmission
-from autograde.sandbox import client as sandbox, isolation
+from autograde.sandbox import cgroups, client as sandbox
 group = cgroups.CGROUPS / sys.argv[3]
 found = {"unmarked": cgroups.delegated_cgroup(), "declared": cgroups.delegated_cgroup(declared=True)}
 os.setxattr(group, "user.delegate", b"1")  # as systemd's system manager marks a group it delegates
