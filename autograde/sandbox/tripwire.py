@@ -90,21 +90,20 @@ class Tripwire:
 
     def __init__(self, not_allowed: Iterable[str], report=None):
         not_allowed = tuple(not_allowed)
-        self.targets = {resolve(name): name for name in not_allowed}
-        self._installed_targets = tuple(self.targets.items())
         self.violations: list[Violation] = []
         self.report = report
         self._probes = [probe for name, probe in _PROBES.items() if name in not_allowed]
         self._probing = False
-        self._functions = _FunctionTripwire(self, {function: name for function, name in self.targets.items()
+        # Every name must resolve; those written in C stop at their operators (`_OperatorTripwire`).
+        resolved = {resolve(name): name for name in not_allowed}
+        self._functions = _FunctionTripwire(self, {function: name for function, name in resolved.items()
                                                    if isinstance(function, types.FunctionType)})
         self._operators = _OperatorTripwire(self, operators(not_allowed))
 
     def intact(self) -> bool:
-        """Whether, while entered, it still stands as it was installed: its targets unchanged, each
-        Python function's code still the stopper, and the operators' kernels still replaced (a call
-        of each kind stops)."""
-        if not (tuple(self.targets.items()) == self._installed_targets and self._functions.standing()):
+        """Whether, while entered, it still stands as it was installed: each Python function's code
+        still the stopper, and the operators' kernels still replaced (a call of each kind stops)."""
+        if not self._functions.standing():
             return False
         self._probing = True
         try:
