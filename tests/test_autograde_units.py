@@ -653,6 +653,51 @@ def test_a_learners_kernel_measures_a_call_with_torch_on_one_thread_then_gives_i
         torch.set_num_threads(threads)
 
 
+SPINNER = """
+import sys, threading, time
+
+def spin(seconds):
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+for line in sys.stdin:
+    where, seconds = line.split()
+    if where == "thread":
+        worker = threading.Thread(target=spin, args=(float(seconds),))
+        worker.start()
+        worker.join()
+    else:
+        spin(float(seconds))
+    print("done", flush=True)
+"""
+
+
+def test_the_cpu_time_measured_from_outside_is_exact_and_counts_a_thread_that_ended():
+    """A process's CPU time between two readings, as the fork server takes it: its CPU-time clock, to
+    the nanosecond, where its ticks of 10 ms would be off by up to two; a thread that did the work and
+    ended before the second reading counted too."""
+    from autograde.sandbox import procfs
+
+    spinner = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        def measured(where: str, seconds: float) -> float:
+            before = procfs.cpu_clock_ns(spinner.pid)
+            spinner.stdin.write(f"{where} {seconds}\n")
+            spinner.stdin.flush()
+            assert spinner.stdout.readline() == "done\n"
+            return (procfs.cpu_clock_ns(spinner.pid) - before) / 1e9
+
+        measured("main", 0.01)  # the interpreter's first loop, not measured
+        spun = [measured(where, 0.05) for where in ("main", "thread", "main", "thread")]
+        assert all(0.05 <= seconds < 0.055 for seconds in spun), spun
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert procfs.cpu_clock_ns(spinner.pid) is None  # gone
+
+
 def test_alternating_dtypes_give_every_value_of_every_axis_both_dtypes_at_half_the_cases():
     product = {f"{a}, {b}, {c}": (a, b, c) for a in ("L < S", "L = S", "L > S") for b in ("x", "y")
                for c in ("causal", "not causal")}

@@ -47,7 +47,7 @@ class LocalSubmission(Proxy):
         return self.tripwire.violations
 
     @contextlib.contextmanager
-    def cost_measured(self) -> Iterator[CallCost]:
+    def cost_measured(self, memory: bool = True) -> Iterator[CallCost]:
         """Measured in this process, the learner's own: advisory. Where Linux's /proc lets the peak be
         reset, from what the process holds now; elsewhere (macOS) from its peak so far, which shows
         only a call that goes beyond every earlier one. CPU time: this process's, with torch on one
@@ -58,18 +58,20 @@ class LocalSubmission(Proxy):
         Not the memory read or written, which the sandbox counts in a worker made for one notebook: in
         a long-lived kernel, an honest call's allocations reuse more and more pages of its heap."""
         cost = CallCost("measured in your own kernel; the grader measures it from outside")
-        _free_heap_returned()
-        try:
-            procfs.reset_peak_memory("self")
-            start, read_peak = procfs.status_kib("self", "VmRSS") * 1024, _peak_since_reset
-        except OSError:
-            start, read_peak = _peak_so_far(), _peak_so_far
+        start, read_peak = 0, None
+        if memory:
+            _free_heap_returned()
+            try:
+                procfs.reset_peak_memory("self")
+                start, read_peak = procfs.status_kib("self", "VmRSS") * 1024, _peak_since_reset
+            except OSError:
+                start, read_peak = _peak_so_far(), _peak_so_far
         with one_thread():
             cpu = time.process_time()
             try:
                 yield cost
             finally:
-                cost.growth_bytes = max(0, read_peak() - start)
+                cost.growth_bytes = max(0, read_peak() - start) if read_peak else None
                 cost.cpu_seconds = time.process_time() - cpu
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:

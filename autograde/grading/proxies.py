@@ -74,7 +74,8 @@ class Proxy:
         if reason not in self.reviews:
             self.reviews.append(reason)
 
-    def cost_measured(self) -> contextlib.AbstractContextManager[CallCost]:
+    def cost_measured(self, memory: bool = True) -> contextlib.AbstractContextManager[CallCost]:
         """`with proxy.cost_measured() as cost:` the calls inside raise the learner's memory by
-        `cost.growth_bytes` and take `cost.cpu_seconds` of CPU time, once the block has ended."""
+        `cost.growth_bytes` and take `cost.cpu_seconds` of CPU time, once the block has ended;
+        `memory=False`: the CPU time alone (`growth_bytes` None), for cases that time many calls."""
         raise NotImplementedError(f"{type(self).__name__} does not measure what calls cost")

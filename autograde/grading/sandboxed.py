@@ -126,10 +126,10 @@ class SandboxedSubmission(Proxy):
         return message
 
     @contextlib.contextmanager
-    def cost_measured(self) -> Iterator[CallCost]:
+    def cost_measured(self, memory: bool = True) -> Iterator[CallCost]:
         """Measured by the fork server, outside the worker; a process started or ended meanwhile fails it."""
         cost = CallCost("measured from outside them")
-        started = self._watch("start")
+        started = self._watch("start", memory)
         try:
             yield cost
         finally:
@@ -140,15 +140,15 @@ class SandboxedSubmission(Proxy):
                 cost.problem = ("a process of yours ended or started during the call, so its memory and CPU time "
                                 "could not be measured: compute in the process that was called")
             else:
-                cost.growth_bytes = int(stopped.get("growth_bytes", 0))
+                cost.growth_bytes = int(stopped.get("growth_bytes", 0)) if memory else None
                 cost.referenced_bytes = int(stopped.get("referenced_bytes", 0))
                 cost.cpu_seconds = float(stopped.get("cpu_seconds", 0.0))
 
-    def _watch(self, phase: str) -> dict:
+    def _watch(self, phase: str, memory: bool = True) -> dict:
         if self.gone:
             return {"error": f"the grading process ended {self.gone}"}
         try:
-            return self._running.watch_cost(phase)
+            return self._running.watch_cost(phase, memory)
         except sandbox.ForkServerError as exc:
             return {"error": str(exc)}
 

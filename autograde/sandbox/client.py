@@ -339,11 +339,11 @@ class Running:
     def kill(self) -> None:
         self._server._send({"kill": self._ident})
 
-    def watch_cost(self, phase: str) -> dict:
+    def watch_cost(self, phase: str, memory: bool = True) -> dict:
         """`start`, then `stop`: what its processes spent in between, measured by the fork server
-        (`cost.CostWatch`): `growth_bytes` of peak memory, `cpu_seconds`, and how many
-        processes `ended` or `started` meanwhile; or `error`, where it could not be measured."""
-        return self._server._ask({"cost": phase, "job": self._ident})
+        (`cost.CostWatch`): `growth_bytes` of peak memory (with `memory`), `cpu_seconds`, and how
+        many processes `ended` or `started` meanwhile; or `error`, where it could not be measured."""
+        return self._server._ask({"cost": phase, "job": self._ident, "memory": memory})
 
     def wait(self) -> ProcessOutcome:
         """How it ended; stopped if it is still running past the wall-clock limit (and a grace)."""

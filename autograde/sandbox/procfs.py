@@ -5,6 +5,7 @@ time, and the processes below it."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -53,6 +54,16 @@ def cpu_ticks(pid: int) -> tuple[int, int] | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
     except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_clock_ns(pid: int) -> int | None:
+    """The CPU time of `pid` in nanoseconds, every thread of it counted, ended ones too: its process
+    CPU-time clock (clock_getcpuclockid(3), which Linux lets any process read of another), where
+    `cpu_ticks` counts in ticks of 10 ms; None once it has gone."""
+    try:
+        return time.clock_gettime_ns(~pid << 3 | 2)  # the kernel's MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
         return None
 
 

@@ -5,9 +5,10 @@ in float64), so that its grade does not depend on the learner's forward; `FlashA
 runs the learner's own forward (part 0 of the notebook). Rules graded in cases of their own:
 the memory bound of the forward, and that `FlashAttention` saves exactly q, k, v, out, lse;
 both measured in the learner's process, and both also graded from outside it, in one hidden
-case as in `flash_forward`: through `FlashAttention.apply` and its backward at L = S = 4096,
-the memory of the learner's processes must rise by less than all the scores would take at two
-bytes each, which a forward that keeps its probabilities (in any form) breaks. And the gradients
+case as in `flash_forward`: through `FlashAttention.apply` and its backward with B = H = 2 and
+L = S = 2048 (as many scores as one head at 4096, in a quarter of the blocks' steps), the memory
+of the learner's processes must rise by less than all the scores would take at two bytes each,
+which a forward that keeps its probabilities (in any form) breaks. And the gradients
 are computed by hand: while `flash_attention_backward` or `FlashAttention`'s backward runs, autograd
 records no graph (`measure.AutogradRecorded`, in the learner's process and thread: autograd through
 a recomputed forward, chunked to keep the memory rule, is what it catches).
@@ -47,8 +48,6 @@ from autograde.tests.test_flash_forward import (
     FORWARD_CASES,
     HEAD_DIMS,
     LENGTHS,
-    WHOLE_HEAD_DIM,
-    WHOLE_LENGTH,
     assert_whole_scores_kept,
     attention_by_definition,
     attention_inputs,
@@ -146,12 +145,20 @@ def saved_inputs(draw: Draw) -> Inputs:
     return Inputs(backward_inputs(draw, 1, 2, 24, 24, 16, torch.float64, True), "what the forward saves")
 
 
+# The case whose memory is measured from outside: as many scores as flash_forward's (64 MiB in float32,
+# 32 MiB allowed), over two batches and two heads, so that the default blocks of 64 take a quarter of
+# the steps one head at 4096 would; d = 8, so that q, k, v, dout and the gradients take what they take
+# there at d = 16. The reference's forward and backward gain and touch about half of what is allowed
+# (16 MiB, at both shapes; at d = 16 here, 0.7x); keeping the probabilities, about 4.5x it.
+WHOLE_BATCH, WHOLE_HEADS, WHOLE_LENGTH, WHOLE_HEAD_DIM = 2, 2, 2048, 8
+
+
 def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
-    n = length
-    values = attention_inputs(draw, 1, 1, n, n, WHOLE_HEAD_DIM, torch.float32)
-    return Inputs({**values, "dout": draw.normal(1, 1, n, WHOLE_HEAD_DIM, dtype=torch.float32), "causal": False},
-                  f"L = S = {n:,} through FlashAttention.apply and its backward, with your forward and its "
-                  f"default blocks: all the scores at once take {4 * n * n / 2**20:.0f} MiB as float32")
+    B, H, n = WHOLE_BATCH, WHOLE_HEADS, length
+    values = attention_inputs(draw, B, H, n, n, WHOLE_HEAD_DIM, torch.float32)
+    return Inputs({**values, "dout": draw.normal(B, H, n, WHOLE_HEAD_DIM, dtype=torch.float32), "causal": False},
+                  f"B = {B}, H = {H}, L = S = {n:,} through FlashAttention.apply and its backward, with your forward "
+                  f"and its default blocks: all the scores at once take {4 * B * H * n * n / 2**20:.0f} MiB as float32")
 
 
 # Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
@@ -281,8 +288,8 @@ def test_flash_attention_apply_random(submission, reference, draw, lengths, edge
 @pytest.mark.points(0.5)
 @pytest.mark.uses(FUNCTION)
 def test_whole_scores_measured_from_outside(submission, draw):
-    """L = S = 4096: FlashAttention.apply and its backward, memory measured from outside your process"""
-    submission.apply_gradients(whole_scores_inputs(draw, 4 * DEFAULT_BLOCK))  # code run for the first time
+    """B = H = 2, L = S = 2048: FlashAttention.apply and its backward, memory measured from outside your process"""
+    submission.apply_gradients(whole_scores_inputs(draw, 2 * DEFAULT_BLOCK))  # code run for the first time
     inputs = whole_scores_inputs(draw)
     with submission.cost_measured() as peak:
         got = submission.apply_gradients(inputs)

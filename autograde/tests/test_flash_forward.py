@@ -7,9 +7,9 @@ causal mask, the key blocks above the diagonal are skipped, not masked). These a
 the learner's process. The memory and work rules are also graded from outside it, in hidden
 cases too large for their measurements to be lost in noise: during a call at L = S = 4096, the
 memory of the learner's processes must rise by less than all the scores would take at two
-bytes each (`judge.whole_scores`), and with the causal mask they must spend at most 0.85x the
-CPU time they spend without it (`judge.work_time`), so that scores kept in blocks, or computed
-where the modes do not look, are caught as well.
+bytes each (`judge.whole_scores`), and at L = S = 2048 with the causal mask they must spend at
+most 0.85x the CPU time they spend without it (`judge.work_time`), so that scores kept in
+blocks, or computed where the modes do not look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
 that every graded run covers every value of each; the seed draws only sizes and values: for
@@ -51,15 +51,16 @@ BLOCK_SIZES = (8, 16, 32, 64)
 # The case whose memory is measured from outside: all its scores take 64 MiB in float32; a few
 # MiB of noise (pages touched for the first time, the arguments read) stay far below the 32 MiB allowed.
 WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
-# The case whose CPU time is measured from outside: large enough for the blocks' work to outweigh
-# a call's fixed costs and the clock's 10 ms ticks (the reference takes about 0.15 s of CPU time
-# without the mask, 0.54x that with it), the fastest of a few calls each to ride out noise. The
-# calls stop early after WORK_TIME_CLEAR_PAIRS pairs (a causal call, then a full one) each already
-# clearly within the rule (at most WORK_TIME_CLEAR): on a loaded machine one pair's ratio has come
-# out at 0.62x of its usual value, enough to clear an answer that computes every block (1.0x and
-# more); two pairs in a row so far off are what the early stop needs.
-WORK_TIME_LENGTH, WORK_TIME_HEADS, WORK_TIME_HEAD_DIM, WORK_TIME_BLOCK = 4096, 2, 64, 128
-WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 3, 0.85, 0.7, 2
+# The case whose CPU time is measured from outside (to the nanosecond, `sandbox.cost.cpu_seconds`):
+# large enough for the blocks' work to outweigh a call's fixed costs, about 6 ms (the reference
+# takes about 0.09 s of CPU time without the mask, 0.55-0.65x that with it; a call that computes
+# every block 1.2x and more), judged on the median of a few pairs (a causal call, then a full one)
+# to ride out noise. The calls stop early once WORK_TIME_CLEAR_PAIRS pairs, and most pairs so far,
+# are each clearly within the rule (at most WORK_TIME_CLEAR): on a loaded machine one pair's ratio
+# has come out at 0.62x of its usual value, enough to clear an answer that computes every block
+# (1.0x and more); two pairs so far off are what the early stop needs.
+WORK_TIME_LENGTH, WORK_TIME_HEADS, WORK_TIME_HEAD_DIM, WORK_TIME_BLOCK = 2048, 2, 64, 128
+WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 5, 0.85, 0.7, 2
 # Both cases' values are checked on every CHECKED_ROW_STEP-th row, against the definition: all of
 # them would cost the grader more than the learner's calls; a step below the blocks' 128 rows
 # checks a row or more of each block, at a different place in each.
@@ -247,17 +248,20 @@ def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
 
 
 def clearly_within_work_rule(call: str, causal: list[CallCost], full: list[CallCost]) -> bool:
-    """Whether every pair of calls so far, on its own, is within WORK_TIME_CLEAR."""
-    return not any(judge.work_time(call, [one_causal], [one_full], WORK_TIME_CLEAR)
-                   for one_causal, one_full in zip(causal, full, strict=True))
+    """Whether the pairs of calls so far clear the rule without more: at least WORK_TIME_CLEAR_PAIRS of
+    them, and more than half, each within WORK_TIME_CLEAR on its own (so the median pair is too). A
+    first pair slowed where its causal call met memory the process had not used yet does not decide."""
+    clear = sum(not judge.work_time(call, [one_causal], [one_full], WORK_TIME_CLEAR)
+                for one_causal, one_full in zip(causal, full, strict=True))
+    return clear >= WORK_TIME_CLEAR_PAIRS and 2 * clear > len(causal)
 
 
 def work_time_inputs(draw: Draw, length: int = WORK_TIME_LENGTH) -> Inputs:
     n = length
     return Inputs(attention_inputs(draw, 1, WORK_TIME_HEADS, n, n, WORK_TIME_HEAD_DIM, torch.float32, causal=True,
                                    block_q=WORK_TIME_BLOCK, block_k=WORK_TIME_BLOCK),
-                  f"L = S = {n:,}: called with causal=True and causal=False, {WORK_TIME_CALLS} times each, "
-                  "alternately; CPU time measured from outside your process")
+                  f"L = S = {n:,}: called with causal=True and causal=False alternately, up to {WORK_TIME_CALLS} "
+                  "times each; CPU time measured from outside your process")
 
 
 def with_causal(inputs: Inputs, causal: bool) -> Inputs:
@@ -458,7 +462,7 @@ def test_whole_scores_measured_from_outside(submission, draw):
 @pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
 def test_work_measured_from_outside(submission, draw):
-    """causal, L = S = 4096: CPU time measured from outside your process at most 0.85x that without the mask"""
+    """causal, L = S = 2048: CPU time measured from outside your process at most 0.85x that without the mask"""
     submission.forward(work_time_inputs(draw, 2 * WORK_TIME_BLOCK))  # code run for the first time, not measured
     inputs = work_time_inputs(draw)
     blocks = {name: value for name, value in options_of(inputs).items() if name != "causal"}
@@ -467,12 +471,12 @@ def test_work_measured_from_outside(submission, draw):
     for pairs in range(1, WORK_TIME_CALLS + 1):
         for causal in (True, False):
             called = with_causal(inputs, causal)
-            with submission.cost_measured() as cost:
+            with submission.cost_measured(memory=False) as cost:
                 got = submission.forward(called)
             costs[causal].append(cost)
             if len(costs[causal]) == 1:
                 assert_attention_rows(got, called, torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP))
-        if pairs >= WORK_TIME_CLEAR_PAIRS and clearly_within_work_rule(call, costs[True], costs[False]):
+        if clearly_within_work_rule(call, costs[True], costs[False]):
             break
     problems = judge.work_time(call, costs[True], costs[False], WORK_TIME_RATIO)
     if problems:
