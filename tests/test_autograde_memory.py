@@ -325,14 +325,19 @@ MARGIN_ANSWERS = {"solution": {}, "masks-in-numpy": {"flash_attention_forward": 
 BACKWARD_MARGIN_ANSWERS = {"solution": {}, "probabilities-in-a-dict": {"FlashAttention": KEEPS_P_IN_A_DICT}}
 
 
+def sandboxed(exercise_id: str, answers: dict[str, str]) -> SandboxedSubmission:
+    """The learner notebook with `answers`, run in a sandboxed worker and called as the tests call it."""
+    exercise = registry.get(exercise_id)
+    cells = extract.code_cells(learner_notebook(exercise_id, answers))
+    return SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
+
+
 def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float, float]:
     """flash_forward's two cases measured from outside, as the hidden tests measure them, on `seed`'s
     inputs: the causal/full ratio of CPU times in the median pair of calls of all the test may make,
     the largest ratio of one pair among the first pairs (the test stops there when each is clear),
     and the memory gained and touched over what `rules.judge.whole_scores` allows."""
-    exercise = registry.get("flash_forward")
-    cells = extract.code_cells(learner_notebook("flash_forward", answers))
-    submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
+    submission = sandboxed("flash_forward", answers)
     try:
         draw = Draw(seed)
         submission.forward(tests.work_time_inputs(draw, 2 * tests.WORK_TIME_BLOCK))  # run once, not measured
@@ -356,9 +361,7 @@ def outside_costs(answers: dict[str, str], seed: int) -> tuple[float, float, flo
 def backward_outside_memory(answers: dict[str, str], seed: int) -> float:
     """flash_backward's case measured from outside, as its hidden test measures it, on `seed`'s inputs:
     the memory `FlashAttention.apply` and its backward gained and touched over what is allowed."""
-    exercise = registry.get("flash_backward")
-    cells = extract.code_cells(learner_notebook("flash_backward", answers))
-    submission = SandboxedSubmission(exercise, [(c.number, c.source) for c in cells], LIMITS)
+    submission = sandboxed("flash_backward", answers)
     try:
         draw = Draw(seed)
         submission.apply_gradients(backward_tests.whole_scores_inputs(draw, 128))  # run once, not measured

@@ -51,7 +51,7 @@ BLOCK_SIZES = (8, 16, 32, 64)
 # The case whose memory is measured from outside: all its scores take 64 MiB in float32; a few
 # MiB of noise (pages touched for the first time, the arguments read) stay far below the 32 MiB allowed.
 WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
-# The case whose CPU time is measured from outside (to the nanosecond, `sandbox.cost.cpu_seconds`):
+# The case whose CPU time is measured from outside (to the nanosecond, `sandbox.procfs.cpu_clock_ns`):
 # large enough for the blocks' work to outweigh a call's fixed costs, about 6 ms (the reference
 # takes about 0.09 s of CPU time without the mask, 0.55-0.65x that with it; a call that computes
 # every block 1.2x and more), judged on the median of a few pairs (a causal call, then a full one)
