@@ -282,9 +282,47 @@ def test_work_in_a_thread_costs_the_exercise():
 WORK_TESTS = ("test_work_rule", "test_work_measured_from_outside")
 
 
+# An honest answer written as many published ones are: it stops at the last key block a query block
+# may see, but masks every block it computes, not only those the diagonal crosses (about 0.75x the
+# CPU time of its full call, the reference's 0.6x).
+MASKS_EVERY_BLOCK = """
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    L, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+    for i in range(0, L, block_q):
+        qi = q[..., i:i + block_q, :].to(lse.dtype) / math.sqrt(d)
+        m = torch.full(qi.shape[:-1], -math.inf, dtype=lse.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros_like(qi)
+        for j in range(0, S, block_k):
+            if causal and j > i + qi.shape[-2] - 1 + S - L:
+                break
+            s = qi @ k[..., j:j + block_k, :].to(lse.dtype).transpose(-2, -1)
+            if causal:
+                last_key = torch.arange(i, i + s.shape[-2])[:, None] + S - L
+                s = torch.where(torch.arange(j, j + s.shape[-1]) <= last_key, s, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            shift = torch.where(m_new == -math.inf, 0.0, m_new)
+            p = torch.exp(s - shift[..., None])
+            alpha = torch.exp(m - shift)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ v[..., j:j + block_k, :].to(lse.dtype)
+            m = m_new
+        out[..., i:i + block_q, :] = (acc / torch.where(l > 0, l, 1.0)[..., None]).to(q.dtype)
+        lse[..., i:i + block_q] = m + torch.log(l)
+    return out, lse
+"""
+
+
 def test_the_solution_keeps_the_work_rule_measured_from_outside():
     results = names(measured("flash_forward", {}, WORK_TESTS))
     assert results["work-measured-from-outside"] == (0.5, ()), results
+
+
+def test_an_honest_answer_that_masks_every_block_it_computes_keeps_both_work_rules():
+    results = names(measured("flash_forward", {"flash_attention_forward": MASKS_EVERY_BLOCK}, WORK_TESTS))
+    assert results["work-rule"] == (0.5, ()) and results["work-measured-from-outside"] == (0.5, ()), results
 
 
 def test_blocks_masked_where_the_flop_counter_does_not_look_are_seen_from_outside():
@@ -319,7 +357,8 @@ def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
 
 
 SEEDS = range(1, 6)
-MARGIN_ANSWERS = {"solution": {}, "masks-in-numpy": {"flash_attention_forward": MASKS_IN_NUMPY},
+MARGIN_ANSWERS = {"solution": {}, "masks-every-block": {"flash_attention_forward": MASKS_EVERY_BLOCK},
+                  "masks-in-numpy": {"flash_attention_forward": MASKS_IN_NUMPY},
                   "whole-matrix": {"flash_attention_forward": FULL_MATRIX_FORWARD}}
 
 BACKWARD_MARGIN_ANSWERS = {"solution": {}, "probabilities-in-a-dict": {"FlashAttention": KEEPS_P_IN_A_DICT}}
@@ -375,9 +414,11 @@ def backward_outside_memory(answers: dict[str, str], seed: int) -> float:
 
 def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_seeds_beside_a_cpu_hog():
     """The margins the hidden cases measured from outside rely on, with another process spinning on a
-    core: the work rule allows 0.85 (causal over full CPU time, in the median pair of calls) and stops
-    after two pairs each at 0.7 or less, the whole-scores rule 1 (memory over all the scores at two
-    bytes each), in flash_forward and through flash_backward's FlashAttention.apply."""
+    core: the work rule allows 0.9 (causal over full CPU time, in the median of nine pairs of calls),
+    which an honest answer that masks every block it computes stays within, and stops after two
+    pairs each at 0.7 or less, which an answer computing every block never shows first; the
+    whole-scores rule allows 1 (memory over all the scores at two bytes each), in flash_forward and
+    through flash_backward's FlashAttention.apply."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         measured_costs = {(name, seed): outside_costs(answers, seed)
@@ -390,7 +431,8 @@ def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_see
     work = {name: [measured_costs[name, seed][0] for seed in SEEDS] for name in MARGIN_ANSWERS}
     first_pairs = {name: [measured_costs[name, seed][1] for seed in SEEDS] for name in MARGIN_ANSWERS}
     memory = {name: [measured_costs[name, seed][2] for seed in SEEDS] for name in MARGIN_ANSWERS}
-    assert max(work["solution"]) <= 0.7 and min(work["masks-in-numpy"]) >= 0.95, work
+    assert max(work["solution"]) <= 0.75 and max(work["masks-every-block"]) <= tests.WORK_TIME_RATIO, work
+    assert min(work["masks-in-numpy"]) >= tests.WORK_TIME_RATIO + 0.1, work
     assert tests.WORK_TIME_CLEAR <= 0.7 and min(first_pairs["masks-in-numpy"]) >= 0.95, first_pairs
     assert max(memory["solution"]) <= 0.5 and min(memory["whole-matrix"]) >= 1.5, memory
     assert max(backward_memory["solution"]) <= 0.7 and min(backward_memory["probabilities-in-a-dict"]) >= 1.5, \

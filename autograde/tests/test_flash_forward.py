@@ -8,7 +8,7 @@ the learner's process. The memory and work rules are also graded from outside it
 cases too large for their measurements to be lost in noise: during a call at L = S = 4096, the
 memory of the learner's processes must rise by less than all the scores would take at two
 bytes each (`judge.whole_scores`), and at L = S = 2048 with the causal mask they must spend at
-most 0.85x the CPU time they spend without it (`judge.work_time`), so that scores kept in
+most 0.9x the CPU time they spend without it (`judge.work_time`), so that scores kept in
 blocks, or computed where the modes do not look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
@@ -53,14 +53,17 @@ BLOCK_SIZES = (8, 16, 32, 64)
 WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
 # The case whose CPU time is measured from outside (to the nanosecond, `sandbox.procfs.cpu_clock_ns`):
 # large enough for the blocks' work to outweigh a call's fixed costs, about 6 ms (the reference
-# takes about 0.09 s of CPU time without the mask, 0.55-0.65x that with it; a call that computes
-# every block 1.2x and more), judged on the median of a few pairs (a causal call, then a full one)
-# to ride out noise. The calls stop early once WORK_TIME_CLEAR_PAIRS pairs, and most pairs so far,
-# are each clearly within the rule (at most WORK_TIME_CLEAR): on a loaded machine one pair's ratio
-# has come out at 0.62x of its usual value, enough to clear an answer that computes every block
-# (1.0x and more); two pairs so far off are what the early stop needs.
+# takes about 0.09 s of CPU time without the mask, 0.55-0.65x that with it; an honest answer that
+# also masks every block it computes 0.7-0.8x, up to 0.83x in the median of nine pairs beside two
+# CPU hogs; one that computes every block 1.0x and more), judged on the median of up to nine pairs
+# (a causal call, then a full one) to ride out noise: one pair alone has swung from 0.64x to 1.03x
+# for the same answer beside two hogs. The calls stop once the median is settled (more than half
+# of the nine on one side of WORK_TIME_RATIO), or early once WORK_TIME_CLEAR_PAIRS pairs, and most
+# pairs so far, are each clearly within the rule (at most WORK_TIME_CLEAR): on a loaded machine one
+# pair's ratio has come out at 0.62x of its usual value, enough to clear an answer that computes
+# every block; two pairs so far off are what the early stop needs.
 WORK_TIME_LENGTH, WORK_TIME_HEADS, WORK_TIME_HEAD_DIM, WORK_TIME_BLOCK = 2048, 2, 64, 128
-WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 5, 0.85, 0.7, 2
+WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 9, 0.9, 0.7, 2
 # Both cases' values are checked on every CHECKED_ROW_STEP-th row, against the definition: all of
 # them would cost the grader more than the learner's calls; a step below the blocks' 128 rows
 # checks a row or more of each block, at a different place in each.
@@ -245,6 +248,18 @@ def whole_scores_inputs(draw: Draw, length: int = WHOLE_LENGTH) -> Inputs:
     return Inputs(attention_inputs(draw, 1, 1, n, n, WHOLE_HEAD_DIM, torch.float32, causal=False,
                                    block_q=WHOLE_BLOCK, block_k=WHOLE_BLOCK),
                   f"L = S = {n:,}: all the scores at once take {4 * n * n / 2**20:.0f} MiB as float32")
+
+
+def work_rule_settled(call: str, causal: list[CallCost], full: list[CallCost]) -> bool:
+    """Whether more pairs of calls could not change the verdict, or need not: a measurement failed,
+    more than half of the WORK_TIME_CALLS pairs are on one side of WORK_TIME_RATIO (the median pair
+    of all of them would be too), or the pairs so far clearly meet the rule."""
+    if any(cost.problem for cost in causal + full):
+        return True
+    within = sum(not judge.work_time(call, [one_causal], [one_full], WORK_TIME_RATIO)
+                 for one_causal, one_full in zip(causal, full, strict=True))
+    majority = WORK_TIME_CALLS // 2 + 1
+    return within >= majority or len(causal) - within >= majority or clearly_within_work_rule(call, causal, full)
 
 
 def clearly_within_work_rule(call: str, causal: list[CallCost], full: list[CallCost]) -> bool:
@@ -462,7 +477,7 @@ def test_whole_scores_measured_from_outside(submission, draw):
 @pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
 def test_work_measured_from_outside(submission, draw):
-    """causal, L = S = 2048: CPU time measured from outside your process at most 0.85x that without the mask"""
+    """causal, L = S = 2048: CPU time measured from outside your process at most 0.9x that without the mask"""
     submission.forward(work_time_inputs(draw, 2 * WORK_TIME_BLOCK))  # code run for the first time, not measured
     inputs = work_time_inputs(draw)
     blocks = {name: value for name, value in options_of(inputs).items() if name != "causal"}
@@ -476,7 +491,7 @@ def test_work_measured_from_outside(submission, draw):
             costs[causal].append(cost)
             if len(costs[causal]) == 1:
                 assert_attention_rows(got, called, torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP))
-        if clearly_within_work_rule(call, costs[True], costs[False]):
+        if work_rule_settled(call, costs[True], costs[False]):
             break
     problems = judge.work_time(call, costs[True], costs[False], WORK_TIME_RATIO)
     if problems:
