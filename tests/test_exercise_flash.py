@@ -602,6 +602,21 @@ def test_footprint_counts_matmul_flops_as_flopcountermode_does():
     assert footprint.matmul_flops == counter.get_total_flops() > 0
 
 
+def test_footprint_counts_every_tensor_an_operator_returns():
+    """One tensor, a tuple of them (values and indices), or a list of views (a split): each is measured,
+    views for the largest tensor only."""
+    a = torch.randn(10, 6)
+    with measure.Footprint() as pair:
+        torch.sort(a, dim=0)
+    with measure.Footprint() as views:
+        torch.split(a, 4)
+    with measure.Footprint() as one:
+        a @ a.T
+    assert (pair.largest, pair.produced) == (60, 120)
+    assert (views.largest, views.produced) == (24, 0)
+    assert (one.largest, one.produced, one.matmul_flops) == (100, 100, 2 * 10 * 10 * 6)
+
+
 def test_the_measuring_modes_import_no_torch_compile_and_measure_compiled_code_as_eager_code():
     """Where torch._dynamo is not loaded (the grading process, the fork server), a measuring mode's first
     use does not load it (a second of CPU time each); code compiled inside a measured call, which loads
