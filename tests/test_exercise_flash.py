@@ -31,8 +31,8 @@ from autograde.cases import FLOAT_DTYPES
 from autograde.frontends import check as self_check
 from autograde.grading import grade
 from autograde.grading.session import catalogue, max_score
-from autograde.observe import Submission
-from autograde.rules import measure
+from autograde.observe import CallCost, Submission
+from autograde.rules import judge, measure
 from autograde.tests import test_flash_backward as BACKWARD_TESTS
 from autograde.tests import test_flash_forward as FORWARD_TESTS
 from autograde.tests import test_flash_triton as TRITON_TESTS
@@ -638,6 +638,33 @@ def test_the_measuring_modes_import_no_torch_compile_and_measure_compiled_code_a
         assert compiled_reductions.widest == eager_reductions.widest == 128
     """], capture_output=True, text=True, timeout=300)
     assert measured.returncode == 0, measured.stderr[-3000:]
+
+
+def work_pairs(*ratios: float) -> tuple[list[CallCost], list[CallCost]]:
+    """Pairs of calls (causal, full) whose CPU times have these ratios."""
+    causal = [CallCost("here", cpu_seconds=0.1 * ratio) for ratio in ratios]
+    return causal, [CallCost("here", cpu_seconds=0.1) for _ in ratios]
+
+
+def test_the_work_case_stops_once_its_median_pair_is_settled_and_judges_that_pair():
+    """Up to WORK_TIME_CALLS pairs: the calls stop early when two pairs and most so far are clearly within
+    the rule, or once more than half of all the pairs could make are on one side of it."""
+    def settled(*ratios: float) -> bool:
+        return FORWARD_TESTS.work_rule_settled("f(q, k, v)", *work_pairs(*ratios))
+
+    def judged(*ratios: float) -> list[str]:
+        return judge.work_time("f(q, k, v)", *work_pairs(*ratios), FORWARD_TESTS.WORK_TIME_RATIO)
+
+    assert FORWARD_TESTS.WORK_TIME_CALLS == 9 and FORWARD_TESTS.WORK_TIME_RATIO == 0.9
+    assert settled(0.6, 0.65) and not settled(0.95, 0.6) and not settled(0.6)
+    assert not settled(0.8, 0.8, 0.8, 0.8) and settled(0.8, 0.8, 0.8, 0.8, 0.8)
+    assert judged(0.8, 0.8, 0.8, 0.8, 0.8) == []
+    assert settled(1.2, 0.8, 1.2, 1.2, 1.2, 1.2) and judged(1.2, 0.8, 1.2, 1.2, 1.2, 1.2)
+    assert not settled(0.8, 1.0, 0.8, 1.0, 0.8, 1.0, 0.8, 1.0)
+    assert judged(0.8, 1.0, 0.8, 1.0, 0.8, 1.0, 0.8, 1.0, 1.0)[0].startswith("work rule broken")
+    causal, full = work_pairs(0.6)
+    causal[0].problem = "its processes have ended"
+    assert FORWARD_TESTS.work_rule_settled("f(q, k, v)", causal, full)
 
 
 def test_saved_for_backward_names_what_is_kept():
