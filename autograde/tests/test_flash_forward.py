@@ -256,8 +256,7 @@ def work_rule_settled(call: str, causal: list[CallCost], full: list[CallCost]) -
     of all of them would be too), or the pairs so far clearly meet the rule."""
     if any(cost.problem for cost in causal + full):
         return True
-    within = sum(not judge.work_time(call, [one_causal], [one_full], WORK_TIME_RATIO)
-                 for one_causal, one_full in zip(causal, full, strict=True))
+    within = pairs_within(call, causal, full, WORK_TIME_RATIO)
     majority = WORK_TIME_CALLS // 2 + 1
     return within >= majority or len(causal) - within >= majority or clearly_within_work_rule(call, causal, full)
 
@@ -266,9 +265,14 @@ def clearly_within_work_rule(call: str, causal: list[CallCost], full: list[CallC
     """Whether the pairs of calls so far clear the rule without more: at least WORK_TIME_CLEAR_PAIRS of
     them, and more than half, each within WORK_TIME_CLEAR on its own (so the median pair is too). A
     first pair slowed where its causal call met memory the process had not used yet does not decide."""
-    clear = sum(not judge.work_time(call, [one_causal], [one_full], WORK_TIME_CLEAR)
-                for one_causal, one_full in zip(causal, full, strict=True))
+    clear = pairs_within(call, causal, full, WORK_TIME_CLEAR)
     return clear >= WORK_TIME_CLEAR_PAIRS and 2 * clear > len(causal)
+
+
+def pairs_within(call: str, causal: list[CallCost], full: list[CallCost], allowed: float) -> int:
+    """How many pairs of calls are each within `allowed` on their own."""
+    return sum(not judge.work_time(call, [one_causal], [one_full], allowed)
+               for one_causal, one_full in zip(causal, full, strict=True))
 
 
 def work_time_inputs(draw: Draw, length: int = WORK_TIME_LENGTH) -> Inputs:
