@@ -18,6 +18,7 @@ from typing import Callable
 from unittest import mock
 
 import pytest
+from _pytest.config import _prepareconfig
 
 from autograde import course, registry
 from autograde.cases import Exercise
@@ -45,6 +46,12 @@ class TestInfo:
     visible: bool
     about: str
     uses: tuple[str, ...] = ()
+
+
+# The run's sessions by exercise: a front end's one, or one per test module of a plain `pytest` run.
+SESSIONS_KEY = pytest.StashKey[dict]()
+# What the conftest found of each test when it was collected.
+INFO_KEY = pytest.StashKey[TestInfo]()
 
 
 class Blocked(Proxy):
@@ -87,23 +94,16 @@ class Session:
     def violations(self) -> list[Violation]:
         return list(getattr(self.submission, "violations", []))
 
-    def run(self, *selection: str, quiet: bool = True) -> int:
-        """Run the exercise's tests (`selection`: node ids' function names, default all) with pytest."""
-        path = registry.test_file(self.exercise)
-        targets = [f"{path}::{name}" for name in selection] or [str(path)]
-        arguments = [*targets, "-p", "no:cacheprovider"]
-        if quiet:
-            # unraisableexception ends every session with five full garbage collections: about
-            # 1.5 s a call beside a learner's tensors, for warnings nobody reads here.
-            arguments += ["-p", "no:terminal", "-p", "no:warnings", "-p", "no:faulthandler",
-                          "-p", "no:unraisableexception"]
-        if self.open_submission is None:
-            arguments.append("--collect-only")
-        output = io.StringIO()
+    def runs(self, test: TestInfo) -> bool:
+        """Whether a run of this session runs `test`: a collecting session lists every test; the
+        hidden ones run with a seed, unless the session is for the visible ones only."""
+        return self.open_submission is None or test.visible or (self.hidden_seed is not None
+                                                                and not self.visible_only)
+
+    def run(self, *selection: str) -> int:
+        """Run the exercise's tests (`selection`: their functions' names, default all); pytest's exit code."""
         try:
-            with _installed_plugins_left_out(), \
-                    contextlib.redirect_stdout(output) if quiet else contextlib.nullcontext():
-                return pytest.main(arguments, plugins=[_Plugin(self, quiet)])
+            return _collected(self.exercise).run(self, selection)
         finally:
             self.close()
 
@@ -126,40 +126,84 @@ def _reference(exercise: Exercise) -> Proxy:
     return _references[exercise.id]
 
 
+class _CollectedTests:
+    """An exercise's tests, configured and collected by pytest once per process, then run for one
+    session at a time: each test through pytest's own protocol (fixtures set up, called, torn down,
+    reported), as pytest's run loop does. A `pytest.main` per notebook would parse its options,
+    register its plugins and collect the module again: 30 to 55 ms a notebook."""
+
+    def __init__(self, exercise: Exercise):
+        self.exercise = exercise
+        collecting = Session(exercise, None)
+        with _installed_plugins_left_out():
+            self.config = _prepareconfig([str(registry.test_file(exercise)), *_ARGUMENTS], plugins=[_Plugin()])
+        self.config.stash[SESSIONS_KEY] = {exercise.id: collecting}
+        self.config._do_configure()
+        self.session = pytest.Session.from_config(self.config)
+        self.config.hook.pytest_sessionstart(session=self.session)
+        self.config.hook.pytest_collection(session=self.session)
+        self.items = list(self.session.items)
+        self.catalogue = tuple(collecting.catalogue)
+        del self.config.stash[SESSIONS_KEY]
+
+    def run(self, session: Session, selection: tuple[str, ...]) -> int:
+        """Run `session`'s tests (all, or the functions named in `selection`) and record their results in it."""
+        if session.open_submission is None:
+            session.catalogue.extend(self.catalogue)
+            return int(pytest.ExitCode.OK)
+        items = [item for item in self.items if session.runs(item.stash[INFO_KEY])
+                 and (not selection or item.originalname in selection)]
+        session.catalogue.extend(item.stash[INFO_KEY] for item in items)
+        self.config.stash[SESSIONS_KEY] = {self.exercise.id: session}
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                for item, following in zip(items, [*items[1:], None]):
+                    item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+        except BaseException:
+            # Cut short (an interruption, or a fault outside any test's protocol): fixtures may still
+            # be set up, so the next run starts from a new configuration.
+            _collections.pop(self.exercise.id, None)
+            raise
+        finally:
+            del self.config.stash[SESSIONS_KEY]
+        if not items:
+            return int(pytest.ExitCode.NO_TESTS_COLLECTED)
+        failed = any(result.problems for result in session.results.values())
+        return int(pytest.ExitCode.TESTS_FAILED if failed else pytest.ExitCode.OK)
+
+
+# Quiet runs: nobody reads pytest's output here, each test's result is recorded in its session.
+# unraisableexception ends every session with five full garbage collections (about 1.5 s beside a
+# learner's tensors); capture and logging set up and undo a capture around every test (together
+# about 0.4 ms a test), and capture would hold the process's output for as long as it lives.
+_ARGUMENTS = ("-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:warnings", "-p", "no:faulthandler",
+              "-p", "no:unraisableexception", "-p", "no:logging", "--capture=no")
+
+_collections: dict[str, _CollectedTests] = {}
+
+
+def _collected(exercise: Exercise) -> _CollectedTests:
+    if exercise.id not in _collections:
+        _collections[exercise.id] = _CollectedTests(exercise)
+    return _collections[exercise.id]
+
+
 class _Plugin:
-    """Registers the session where the tests' conftest finds it."""
-
-    def __init__(self, session: Session, quiet: bool):
-        self.session = session
-        self.quiet = quiet
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config):
-        config.stash[SESSIONS_KEY] = {self.session.exercise.id: self.session}
-        if self.quiet:
-            # pytest's own report of a failure is printed by nobody here (the conftest reads the
-            # exception). Its default style parses the test's source and prints its arguments, tensors
-            # included (up to 40 ms a failing test); even Python's plain traceback finds every frame's
-            # code position (3 ms). "no" keeps the exception's own line.
-            config.option.tbstyle = "no"
-
-
-# The run's sessions by exercise: a front end's one, or one per test module of a plain `pytest` run.
-SESSIONS_KEY = pytest.StashKey[dict]()
-
-
-_catalogues: dict[str, tuple[TestInfo, ...]] = {}
+        # pytest's own report of a failure is printed by nobody here (the conftest reads the
+        # exception). Its default style parses the test's source and prints its arguments, tensors
+        # included (up to 40 ms a failing test); even Python's plain traceback finds every frame's
+        # code position (3 ms). "no" keeps the exception's own line.
+        config.option.tbstyle = "no"
 
 
 def catalogue(exercise: Exercise) -> tuple[TestInfo, ...]:
     """The exercise's tests (names, points, visibility, what each checks), from pytest's collection."""
-    if exercise.id not in _catalogues:
-        session = Session(exercise, None)
-        session.run()
-        if not session.catalogue:
-            raise RuntimeError(f"no tests collected for {exercise.id} from {registry.test_file(exercise)}")
-        _catalogues[exercise.id] = tuple(session.catalogue)
-    return _catalogues[exercise.id]
+    found = _collected(exercise).catalogue
+    if not found:
+        raise RuntimeError(f"no tests collected for {exercise.id} from {registry.test_file(exercise)}")
+    return found
 
 
 def max_score(exercise: Exercise) -> float:

@@ -33,6 +33,7 @@ from autograde.cases import Draw, Inputs, submission_seed, submitter_of, test_se
 from autograde.compare import CaseResult
 from autograde.grading.proxies import LearnerFailed, Proxy
 from autograde.grading.session import (
+    INFO_KEY,
     SESSIONS_KEY,
     Session,
     TestInfo,
@@ -102,8 +103,7 @@ def pytest_collection_modifyitems(session, config, items):
         info = TestInfo(report_name(item.nodeid), _points(item) / cases[item.function], visible,
                         (item.function.__doc__ or "").strip().split("\n")[0], tuple(uses.args) if uses else ())
         item.stash[INFO_KEY] = info
-        collecting = run.open_submission is None  # the catalogue: every test, none run
-        if collecting or visible or (run.hidden_seed is not None and not run.visible_only):
+        if run.runs(info):
             kept.append(item)
             run.catalogue.append(info)
         else:
@@ -111,9 +111,6 @@ def pytest_collection_modifyitems(session, config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
-
-
-INFO_KEY = pytest.StashKey[TestInfo]()
 
 
 @pytest.hookimpl(hookwrapper=True)
