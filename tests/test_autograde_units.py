@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -380,6 +381,28 @@ def test_a_pickled_object_array_is_refused(tmp_path: Path):
     np.save(tmp_path / "a.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(wire.WireError, match="not a plain numeric dtype"):
         wire.read_array(tmp_path / "a.npy")
+
+
+def test_arrays_are_written_byte_for_byte_as_numpy_writes_them_and_read_in_that_form_only(tmp_path: Path):
+    """The wire writes and parses .npy headers itself: what it writes is what `np.save` writes of the
+    array in C order, for any axes (none, one, sixteen, a transposed view); a Fortran-ordered file,
+    which it never writes, is refused."""
+    folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for n, array in enumerate([np.float32(2.5) * np.ones(()), np.arange(7, dtype=np.int64),
+                                   np.arange(12, dtype=np.float16).reshape(3, 4).T, np.zeros((0, 3), dtype=bool),
+                                   np.ones((1,) * 16, dtype=np.uint8)]):
+            wire.save_array(folder, f"ours{n}.npy", array)
+            np.save(tmp_path / f"numpy{n}.npy", array.copy(order="C"))
+            assert (tmp_path / f"ours{n}.npy").read_bytes() == (tmp_path / f"numpy{n}.npy").read_bytes()
+            read = wire.read_array(tmp_path / f"ours{n}.npy")
+            assert (read.shape, read.dtype) == (array.shape, array.dtype)
+            np.testing.assert_array_equal(read, array)
+    finally:
+        os.close(folder)
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(np.zeros((2, 3))))
+    with pytest.raises(wire.WireError, match="not an .npy array in C order"):
+        wire.read_array(tmp_path / "fortran.npy")
 
 
 def test_an_array_whose_size_disagrees_with_its_header_is_refused(tmp_path: Path):
