@@ -1,10 +1,11 @@
-"""One pytest run of an exercise's tests on one submission, and what it found.
+"""One run of an exercise's tests on one submission, and what it found.
 
 `autograde/tests/conftest.py` (the tests' plugin) asks the run's `Session` for the exercise's
-`submission` and records each test's result in it. Every front end makes a `Session` and runs
-pytest with it: the instructor's `pytest autograde/tests/test_<id>.py --notebook ...`
-(`Session.from_options`), the grader (`grade.py`), `check()` and nbgrader's test cells
-(`frontends/check.py`, `frontends/nbgrader.py`, in the learner's kernel).
+`submission` and records each test's result in it. The instructor's plain `pytest
+autograde/tests/test_<id>.py --notebook ...` makes its sessions from its options (the conftest's
+`_session`); the front ends make one each and call `Session.run`, which runs the tests pytest
+configured and collected once in this process: the grader (`grade.py`), `check()` and nbgrader's
+test cells (`frontends/check.py`, `frontends/nbgrader.py`, in the learner's kernel).
 """
 
 from __future__ import annotations
