@@ -23,6 +23,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "uses(*names): the exercise's functions the test calls (for check(ex, name))")
 
 
+@functools.cache  # asked by every hook of every test
 def _exercise_of_module(module) -> object:
     """A test module `test_<id>.py` tests the exercise `<id>` (`registry.test_file`)."""
     return registry.get(Path(module.__file__).stem.removeprefix("test_"))
