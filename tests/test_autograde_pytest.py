@@ -5,20 +5,37 @@ from __future__ import annotations
 
 import csv
 import json
+import pdb
 import shutil
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import nbformat
 import pytest
+from _pytest.mark.structures import MARK_GEN
 
 from autograde import registry
+from autograde.grading import session as sessions
 from autograde.grading.session import catalogue
 from tests.fixtures.notebooks import ROOT, SEED
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def test_the_tests_kept_for_a_process_leave_it_as_they_found_it(request):
+    """The front ends' runs keep pytest's configuration of an exercise's tests for the process's
+    life; what pytest changes for a whole process during a run must not stay changed with it, or a
+    test suite that grades in its own process (this one) would find its own markers refused."""
+    hooks, excepthook, set_trace = list(sys.meta_path), threading.excepthook, pdb.set_trace
+    sessions._collections.pop("sdpa", None)
+    kept = sessions._collected(registry.get("sdpa"))
+    assert kept.items and kept.catalogue == catalogue(registry.get("sdpa"))
+    assert sys.meta_path == hooks and threading.excepthook is excepthook and pdb.set_trace is set_trace
+    assert MARK_GEN._config is request.config
+    assert pytest.mark.slow.name == "slow"  # registered in this suite's configuration, not the exercises'
 
 
 def pytest_on(notebook: Path, *options: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

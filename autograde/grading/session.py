@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ from unittest import mock
 
 import pytest
 from _pytest.config import _prepareconfig
+from _pytest.mark.structures import MARK_GEN
 
 from autograde import course, registry
 from autograde.cases import Exercise
@@ -136,13 +138,13 @@ class _CollectedTests:
     def __init__(self, exercise: Exercise):
         self.exercise = exercise
         collecting = Session(exercise, None)
-        with _installed_plugins_left_out():
+        with _installed_plugins_left_out(), _process_state_kept():
             self.config = _prepareconfig([str(registry.test_file(exercise)), *_ARGUMENTS], plugins=[_Plugin()])
-        self.config.stash[SESSIONS_KEY] = {exercise.id: collecting}
-        self.config._do_configure()
-        self.session = pytest.Session.from_config(self.config)
-        self.config.hook.pytest_sessionstart(session=self.session)
-        self.config.hook.pytest_collection(session=self.session)
+            self.config.stash[SESSIONS_KEY] = {exercise.id: collecting}
+            self.config._do_configure()
+            self.session = pytest.Session.from_config(self.config)
+            self.config.hook.pytest_sessionstart(session=self.session)
+            self.config.hook.pytest_collection(session=self.session)
         self.items = list(self.session.items)
         self.catalogue = tuple(collecting.catalogue)
         del self.config.stash[SESSIONS_KEY]
@@ -176,9 +178,25 @@ class _CollectedTests:
 # Quiet runs: nobody reads pytest's output here, each test's result is recorded in its session.
 # unraisableexception ends every session with five full garbage collections (about 1.5 s beside a
 # learner's tensors); capture and logging set up and undo a capture around every test (together
-# about 0.4 ms a test), and capture would hold the process's output for as long as it lives.
+# about 0.4 ms a test), and capture would hold the process's output for as long as it lives, as
+# threadexception would `threading.excepthook` and debugging `pdb.set_trace`.
 _ARGUMENTS = ("-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:warnings", "-p", "no:faulthandler",
-              "-p", "no:unraisableexception", "-p", "no:logging", "--capture=no")
+              "-p", "no:unraisableexception", "-p", "no:logging", "-p", "no:threadexception",
+              "-p", "no:debugging", "--capture=no")
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """What configuring pytest changes for the whole process and puts back when its run ends: the
+    import hook that rewrites asserts (the tests' modules are imported, and rewritten, by then) and
+    the configuration that `pytest.mark` checks marks against (that of the run this process may be
+    part of, an instructor's or a test suite's)."""
+    import_hooks, mark_config = list(sys.meta_path), MARK_GEN._config
+    try:
+        yield
+    finally:
+        sys.meta_path[:] = import_hooks
+        MARK_GEN._config = mark_config
 
 _collections: dict[str, _CollectedTests] = {}
 
