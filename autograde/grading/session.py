@@ -198,6 +198,7 @@ def _process_state_kept():
         sys.meta_path[:] = import_hooks
         MARK_GEN._config = mark_config
 
+
 _collections: dict[str, _CollectedTests] = {}
 
 
