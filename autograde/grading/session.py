@@ -151,9 +151,6 @@ class _CollectedTests:
 
     def run(self, session: Session, selection: tuple[str, ...]) -> int:
         """Run `session`'s tests (all, or the functions named in `selection`) and record their results in it."""
-        if session.open_submission is None:
-            session.catalogue.extend(self.catalogue)
-            return int(pytest.ExitCode.OK)
         items = [item for item in self.items if session.runs(item.stash[INFO_KEY])
                  and (not selection or item.originalname in selection)]
         session.catalogue.extend(item.stash[INFO_KEY] for item in items)
