@@ -523,6 +523,19 @@ def test_the_reference_keeps_one_submitters_hidden_results_at_a_time():
     assert reference.attend(inputs(0)) is visible
 
 
+def test_the_reference_answers_by_an_oracle_marked_after_it_was_made(monkeypatch):
+    """`check()` makes the reference before the tests' module, which marks the oracles, is imported:
+    the oracle is looked up at each call, not when the reference is made."""
+    from autograde.exercises import sdpa
+
+    reference = Reference(exercises.get("sdpa"))
+    inputs = cases.Inputs({name: torch.ones(1, 1, 2, 2, dtype=torch.float64) for name in "qkv"})
+    assert np.array_equal(reference.attend(inputs)["out"].array, np.ones((1, 1, 2, 2)))  # the solution's
+    monkeypatch.setattr(sdpa.attend, "__autograde_oracle__", lambda given: {"out": given["q"] * 7}, raising=False)
+    other = cases.Inputs({name: 2 * torch.ones(1, 1, 2, 2, dtype=torch.float64) for name in "qkv"})
+    assert np.array_equal(reference.attend(other)["out"].array, 14 * np.ones((1, 1, 2, 2)))
+
+
 @pytest.mark.parametrize("exercise", exercises.EXERCISES.values(), ids=lambda e: e.id)
 def test_each_exercise_is_worth_10_points_over_visible_and_hidden_tests(exercise):
     assert max_score(exercise) == 10

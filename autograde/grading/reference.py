@@ -25,8 +25,6 @@ class Reference(Proxy):
     def __init__(self, exercise: Exercise, recording: bool = False):
         super().__init__(exercise)
         self._calls = LearnerCalls(exercise, solutions.namespace(exercise))
-        self._oracles = {name: found for name, function in self._calls.adapters.items()
-                         if (found := oracle_of(function)) is not None}
         self._cache: dict[str, Any] = {}  # the visible tests' results: the same calls for every notebook
         self._drawn: tuple[int | None, dict[str, Any]] = (None, {})  # one submitter's hidden tests' results
         self._seed: int | None = None  # within `drawn_from`, the seed the calls' inputs come from
@@ -38,8 +36,10 @@ class Reference(Proxy):
         cache = self._cache if self._seed is None or key in self._cache else self._drawn[1]
         if key not in cache:
             try:
-                result = self._oracles[name](*args, **kwargs) if name in self._oracles \
-                    else self._calls(name, args, kwargs)
+                # looked up at the call: the tests' module marks its oracles when it is imported,
+                # which may come after this reference was made (`check()` makes it first)
+                by_oracle = oracle_of(self._calls.adapters.get(name))
+                result = by_oracle(*args, **kwargs) if by_oracle else self._calls(name, args, kwargs)
                 cache[key] = observe(result)
             except Exception as exc:
                 raise RuntimeError(f"the reference fails {self.exercise.id}: {name}: "
