@@ -71,10 +71,18 @@ def backward_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: t
                     **blocks) -> dict:
     """q, k, v, and the out, lse and dout that the backward receives, in `dtype` (lse in float32 for
     float16 inputs, as the forward returns it)."""
+    drawn = apply_inputs_drawn(draw, B, H, L, S, d, dtype, causal)
+    q, k, v = (drawn[name] for name in ("q", "k", "v"))
+    out, lse = attention_by_definition(q, k, v, causal)
+    return {"q": q, "k": k, "v": v, "out": out.to(dtype), "lse": lse.to(lse_dtype(dtype)), "dout": drawn["dout"],
+            "causal": causal, **blocks}
+
+
+def apply_inputs_drawn(draw: Draw, B: int, H: int, L: int, S: int, d: int, dtype: torch.dtype, causal: bool) -> dict:
+    """q, k, v and dout in `dtype`: what FlashAttention.apply and its backward are given (out and lse are
+    its own)."""
     values = attention_inputs(draw, B, H, L, S, d, dtype)
-    out, lse = attention_by_definition(values["q"], values["k"], values["v"], causal)
-    return {**values, "out": out.to(dtype), "lse": lse.to(lse_dtype(dtype)),
-            "dout": draw.normal(B, H, L, d, dtype=dtype), "causal": causal, **blocks}
+    return {**values, "dout": draw.normal(B, H, L, d, dtype=dtype), "causal": causal}
 
 
 # Oracles.
@@ -175,8 +183,8 @@ def random_backward(draw: Draw, lengths: str, edges: str, causal: bool, blocks: 
 def random_apply(draw: Draw, lengths: str, edges: str, causal: bool) -> Inputs:
     """In float64; the test casts them to its case's dtype."""
     L, S = draw_lengths(draw, lengths, edges, DEFAULT_BLOCK, DEFAULT_BLOCK)
-    values = backward_inputs(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
-                             torch.float64, causal)
+    values = apply_inputs_drawn(draw, draw.integer(1, 2), draw.integer(1, 3), L, S, draw.choice(HEAD_DIMS),
+                                torch.float64, causal)
     return Inputs(values, "through FlashAttention.apply, with your forward and its default blocks")
 
 
