@@ -8,8 +8,8 @@ exercise's definition or one of the exercise's functions, with arguments in `in/
 is what the call returned, observed (`observe.observe`) and written to `out/`, or how it
 failed. Everything this process sends is untrusted: the submission runs here.
 
-What the tripwire finds during a call, and a thread the notebook starts, is sent at once as a
-`finding` line, before the reply: learner code that empties the tripwire afterwards cannot take
+What the tripwire finds (armed from the first call to the last), and a thread the notebook starts,
+is sent at once as a `finding` line, before the reply: learner code that empties the tripwire afterwards cannot take
 it back. Each reply carries the call's `probe` (a token of the grading process's, sent with
 the request) only if the tripwire still stood when the call ended (`Tripwire.intact`).
 """
@@ -154,25 +154,27 @@ def main(folder: Path) -> None:
     threads.report = report
 
     def observed_call(request: dict, reply: dict):
-        with tripwire:
-            try:
-                return observe(calls(request["call"], decode_arguments(request["args"], folder / "in"),
-                                     decode_arguments(request["kwargs"], folder / "in")))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)  # the alarm may not cut the check short
-                if tripwire.intact():
-                    reply["probe"] = request.get("probe")
-
-    while (request := reader.read()) is not None and "call" in request:
-        seconds, reply = request["seconds"], {}
-        threads.check()
         try:
-            reply["result"] = encode_result(time_limited(seconds, observed_call, request, reply), out, names)
-        except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
-            failure = call_failure(exc, seconds)
-            reply["failure"] = [failure.kind, failure.type_name, failure.message, failure.where]
-        threads.check()
-        reply["violations"] = [[v.name, v.where] for v in tripwire.violations]
-        with sending:
-            send_message(channel, reply)
+            return observe(calls(request["call"], decode_arguments(request["args"], folder / "in"),
+                                 decode_arguments(request["kwargs"], folder / "in")))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # the alarm may not cut the check short
+            if tripwire.intact():
+                reply["probe"] = request.get("probe")
+
+    # Armed once for all the calls, not around each: arming registers a kernel for every not-allowed
+    # operator (about 0.4 ms a call); between calls only this loop runs, and the notebook's threads.
+    with tripwire:
+        while (request := reader.read()) is not None and "call" in request:
+            seconds, reply = request["seconds"], {}
+            threads.check()
+            try:
+                reply["result"] = encode_result(time_limited(seconds, observed_call, request, reply), out, names)
+            except BaseException as exc:  # a timeout, a SystemExit, or results that cannot be written
+                failure = call_failure(exc, seconds)
+                reply["failure"] = [failure.kind, failure.type_name, failure.message, failure.where]
+            threads.check()
+            reply["violations"] = [[v.name, v.where] for v in tripwire.violations]
+            with sending:
+                send_message(channel, reply)
     channel.close()
