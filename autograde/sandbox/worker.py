@@ -9,9 +9,10 @@ is what the call returned, observed (`observe.observe`) and written to `out/`, o
 failed. Everything this process sends is untrusted: the submission runs here.
 
 What the tripwire finds (armed from the first call to the last), and a thread the notebook starts,
-is sent at once as a `finding` line, before the reply: learner code that empties the tripwire afterwards cannot take
-it back. Each reply carries the call's `probe` (a token of the grading process's, sent with
-the request) only if the tripwire still stood when the call ended (`Tripwire.intact`).
+is sent at once as a `finding` line, before the reply: learner code that empties the tripwire
+afterwards cannot take it back. Each reply carries the call's `probe` (a token of the grading
+process's, sent with the request) only if the tripwire still stood when the call ended
+(`Tripwire.intact`).
 """
 
 from __future__ import annotations
