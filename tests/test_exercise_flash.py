@@ -46,6 +46,7 @@ from tests.fixtures.implementations import (
     variant_id,
 )
 from tests.fixtures.notebooks import (
+    MEASURED_HERE,
     ROOT,
     SEED,
     answer,
@@ -102,12 +103,6 @@ EVERY_BACKWARD_CASE = cases("backward-random", BACKWARD_RANDOM) | cases("backwar
 
 WHOLE = frozenset({"whole-scores-measured-from-outside"})  # the hidden case whose memory is measured from outside
 WORK_TIME = frozenset({"work-measured-from-outside"})  # flash_forward's hidden case whose CPU time is measured
-# Graded in this process, which has graded hundreds of notebooks by then, these two cases' measure
-# (advisory here; a fresh kernel's under nbgrader) sees an honest call's allocations walk the holes
-# of a long-lived heap (up to 18 MiB of the 32 allowed at 4096 tokens): here an answer that keeps
-# them may lose them, and one that breaks them must still lose them. tests/test_autograde_memory.py
-# grades them from outside, as a class is graded.
-MEASURED_HERE = WHOLE | WORK_TIME
 FORWARD = answer("flash_forward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")
