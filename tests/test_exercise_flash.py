@@ -49,6 +49,8 @@ from tests.fixtures.notebooks import (
     MEASURED_HERE,
     ROOT,
     SEED,
+    WHOLE,
+    WORK_TIME,
     answer,
     failed,
     graded_and_reviewed,
@@ -101,8 +103,6 @@ RAGGED = FORWARD_TESTS.EDGES[0]
 EVERY_FORWARD_CASE = cases("forward-random", FORWARD_RANDOM) | cases("forward-float16-random", FLOAT16_RANDOM)
 EVERY_BACKWARD_CASE = cases("backward-random", BACKWARD_RANDOM) | cases("backward-float16-random", FLOAT16_RANDOM)
 
-WHOLE = frozenset({"whole-scores-measured-from-outside"})  # the hidden case whose memory is measured from outside
-WORK_TIME = frozenset({"work-measured-from-outside"})  # flash_forward's hidden case whose CPU time is measured
 FORWARD = answer("flash_forward", "flash_attention_forward")
 BACKWARD = answer("flash_backward", "flash_attention_backward")
 FUNCTION = answer("flash_backward", "FlashAttention")
@@ -385,8 +385,7 @@ def test_attention_by_query_chunks_keeps_its_points_and_is_sent_for_review(seed)
     tiled forward's intent, keys read block by block, is measured and shown to a person."""
     results, reviews = graded_and_reviewed("flash_forward", {"flash_attention_forward": QUERY_CHUNKED_FORWARD}, seed)
     # Every test measured in this process; the hidden cases measured from outside, in the sandbox below.
-    assert (seed, failed(results) - {"whole-scores-measured-from-outside", "work-measured-from-outside"}) == (
-        seed, set())
+    assert (seed, failed(results) - (WHOLE | WORK_TIME)) == (seed, set())
     assert len(reviews) == 1 and reviews[0].startswith("flash_attention_forward combined 160 values in one "), reviews
 
 
@@ -410,7 +409,7 @@ def test_attention_by_query_chunks_is_graded_review_through_the_sandbox(tmp_path
         "flash_forward", {"flash_attention_forward": QUERY_CHUNKED_FORWARD}), tmp_path / "ada" / "flash"
         / "flash_forward.ipynb"), exercises.get("flash_forward"), SEED)
     lost_here = {result.name for result in graded.results if not result.passed}
-    assert graded.status == grade.REVIEW and lost_here <= {"whole-scores-measured-from-outside"}, graded.reason
+    assert graded.status == grade.REVIEW and lost_here <= WHOLE, graded.reason
     assert graded.reason.startswith("flash_attention_forward combined 160 values in one reduction (")
 
 
