@@ -403,13 +403,16 @@ def test_check_tells_the_learner_what_goes_to_review():
 @pytest.mark.timeout(600)
 def test_attention_by_query_chunks_is_graded_review_through_the_sandbox(tmp_path: Path):
     """Its points are the tests': the memory it touches at L = S = 4096, measured from outside, sits
-    near what the whole-scores case allows (a chunk of rows over all 4096 keys at a time), so that
-    case may go either way; the status is review whatever it gives."""
+    near what the whole-scores case allows (a chunk of rows over all 4096 keys at a time), and its
+    causal calls' CPU time near the work case's 0.9 of the full ones' (it skips the keys past each
+    chunk, but with causal=True builds and applies a mask over every chunk's scores: medians
+    0.77-0.87 on a quiet machine, 0.84-0.96 beside a process spinning on the other core), so those
+    cases may go either way; the status is review whatever they give."""
     graded = grade.grade_notebook(write(learner_notebook(
         "flash_forward", {"flash_attention_forward": QUERY_CHUNKED_FORWARD}), tmp_path / "ada" / "flash"
         / "flash_forward.ipynb"), exercises.get("flash_forward"), SEED)
     lost_here = {result.name for result in graded.results if not result.passed}
-    assert graded.status == grade.REVIEW and lost_here <= WHOLE, graded.reason
+    assert graded.status == grade.REVIEW and lost_here <= WHOLE | WORK_TIME, graded.reason
     assert graded.reason.startswith("flash_attention_forward combined 160 values in one reduction (")
 
 
