@@ -283,8 +283,8 @@ WORK_TESTS = ("test_work_rule", "test_work_measured_from_outside")
 
 
 # An honest answer written as many published ones are: it stops at the last key block a query block
-# may see, but masks every block it computes, not only those the diagonal crosses (about 0.75x the
-# CPU time of its full call, the reference's 0.6x).
+# may see, but masks every block it computes, not only those the diagonal crosses (about 0.7x the
+# CPU time of its full call at the work case's d = 128, the reference's 0.65x; 0.8-0.9x at d = 64).
 MASKS_EVERY_BLOCK = """
 def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
     L, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -313,6 +313,12 @@ def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
         lse[..., i:i + block_q] = m + torch.log(l)
     return out, lse
 """
+
+# The same with the masked scores set to -1e9 (as the Annotated Transformer masks) rather than -inf:
+# torch's exp of a number that far below zero takes a slow path, about 100 times the time of one in
+# range, so each diagonal block's exponentials cost more than its products (about 0.75x, 0.8x beside
+# a CPU hog).
+MASKS_WITH_A_LARGE_NEGATIVE = MASKS_EVERY_BLOCK.replace("s, -math.inf)", "s, -1e9)")
 
 
 def test_the_solution_keeps_the_work_rule_measured_from_outside():
@@ -358,6 +364,7 @@ def test_without_proc_a_kernel_measures_from_its_peak_so_far(monkeypatch):
 
 SEEDS = range(1, 6)
 MARGIN_ANSWERS = {"solution": {}, "masks-every-block": {"flash_attention_forward": MASKS_EVERY_BLOCK},
+                  "masks-with-a-large-negative": {"flash_attention_forward": MASKS_WITH_A_LARGE_NEGATIVE},
                   "masks-in-numpy": {"flash_attention_forward": MASKS_IN_NUMPY},
                   "whole-matrix": {"flash_attention_forward": FULL_MATRIX_FORWARD}}
 
@@ -414,8 +421,9 @@ def backward_outside_memory(answers: dict[str, str], seed: int) -> float:
 
 def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_seeds_beside_a_cpu_hog():
     """The margins the hidden cases measured from outside rely on, with another process spinning on a
-    core: the work rule allows 0.9 (causal over full CPU time, in the median of nine pairs of calls),
-    which an honest answer that masks every block it computes stays within, and stops after two
+    core: the work rule allows 0.95 (causal over full CPU time, in the median of nine pairs of calls),
+    which an honest answer that masks every block it computes stays 0.05 within, with -inf or with
+    the slow exponentials of a large negative number, and stops after two
     pairs each at 0.7 or less, which an answer computing every block never shows first; the
     whole-scores rule allows 1 (memory over all the scores at two bytes each), in flash_forward and
     through flash_backward's FlashAttention.apply."""
@@ -431,7 +439,8 @@ def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_see
     work = {name: [measured_costs[name, seed][0] for seed in SEEDS] for name in MARGIN_ANSWERS}
     first_pairs = {name: [measured_costs[name, seed][1] for seed in SEEDS] for name in MARGIN_ANSWERS}
     memory = {name: [measured_costs[name, seed][2] for seed in SEEDS] for name in MARGIN_ANSWERS}
-    assert max(work["solution"]) <= 0.75 and max(work["masks-every-block"]) <= tests.WORK_TIME_RATIO, work
+    honest_maskers = work["masks-every-block"] + work["masks-with-a-large-negative"]
+    assert max(work["solution"]) <= 0.75 and max(honest_maskers) <= tests.WORK_TIME_RATIO - 0.05, work
     assert min(work["masks-in-numpy"]) >= tests.WORK_TIME_RATIO + 0.1, work
     assert tests.WORK_TIME_CLEAR <= 0.7 and min(first_pairs["masks-in-numpy"]) >= 0.95, first_pairs
     assert max(memory["solution"]) <= 0.5 and min(memory["whole-matrix"]) >= 1.5, memory

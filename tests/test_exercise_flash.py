@@ -404,10 +404,10 @@ def test_check_tells_the_learner_what_goes_to_review():
 def test_attention_by_query_chunks_is_graded_review_through_the_sandbox(tmp_path: Path):
     """Its points are the tests': the memory it touches at L = S = 4096, measured from outside, sits
     near what the whole-scores case allows (a chunk of rows over all 4096 keys at a time), and its
-    causal calls' CPU time near the work case's 0.9 of the full ones' (it skips the keys past each
-    chunk, but with causal=True builds and applies a mask over every chunk's scores: medians
-    0.77-0.87 on a quiet machine, 0.84-0.96 beside a process spinning on the other core), so those
-    cases may go either way; the status is review whatever they give."""
+    causal calls' CPU time below the work case's 0.95 of the full ones', but not far (it skips the
+    keys past each chunk, but with causal=True builds and applies a mask over every chunk's scores:
+    medians 0.80-0.91 on a quiet machine, 0.68-0.83 beside a process spinning on the other core), so
+    those cases may go either way; the status is review whatever they give."""
     graded = grade.grade_notebook(write(learner_notebook(
         "flash_forward", {"flash_attention_forward": QUERY_CHUNKED_FORWARD}), tmp_path / "ada" / "flash"
         / "flash_forward.ipynb"), exercises.get("flash_forward"), SEED)
@@ -652,7 +652,7 @@ def test_the_work_case_stops_once_its_median_pair_is_settled_and_judges_that_pai
     def judged(*ratios: float) -> list[str]:
         return judge.work_time("f(q, k, v)", *work_pairs(*ratios), FORWARD_TESTS.WORK_TIME_RATIO)
 
-    assert FORWARD_TESTS.WORK_TIME_CALLS == 9 and FORWARD_TESTS.WORK_TIME_RATIO == 0.9
+    assert FORWARD_TESTS.WORK_TIME_CALLS == 9 and FORWARD_TESTS.WORK_TIME_RATIO == 0.95
     assert settled(0.6, 0.65) and not settled(0.95, 0.6) and not settled(0.6)
     assert not settled(0.8, 0.8, 0.8, 0.8) and settled(0.8, 0.8, 0.8, 0.8, 0.8)
     assert judged(0.8, 0.8, 0.8, 0.8, 0.8) == []

@@ -101,9 +101,10 @@ def work_time(call: str, causal: list[CallCost], full: list[CallCost], allowed: 
     call must take at most `allowed` times the full one. A pair's two calls meet the same machine, a
     neighbour's load slowing both; the median leaves out a pair whose calls met different ones.
 
-    Skipping the key blocks wholly above the diagonal halves the work at L = S (0.5x to 0.7x for
-    the reference at L = S = 2048, blocks 128, its fixed costs included; up to 0.85x for an answer
-    that also masks every block it computes); masking them keeps all of it, however it is computed."""
+    Skipping the key blocks wholly above the diagonal halves the work at L = S (0.6x to 0.7x for
+    the reference at L = S = 2048, d = 128, blocks 128, its fixed costs included; up to 0.82x for
+    an answer that also masks every block it computes); masking them keeps all of it, however it is
+    computed."""
     problems = [cost.problem for cost in causal + full if cost.problem]
     if problems:
         return [f"work rule: {problems[0]}"]
