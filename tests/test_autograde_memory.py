@@ -421,7 +421,7 @@ def backward_outside_memory(answers: dict[str, str], seed: int) -> float:
 
 def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_seeds_beside_a_cpu_hog():
     """The margins the hidden cases measured from outside rely on, with another process spinning on a
-    core: the work rule allows 0.95 (causal over full CPU time, in the median of nine pairs of calls),
+    core: the work rule allows 1.0 (causal over full CPU time, in the median of nine pairs of calls),
     which an honest answer that masks every block it computes stays 0.05 within, with -inf or with
     the slow exponentials of a large negative number, and stops after two
     pairs each at 0.7 or less, which an answer computing every block never shows first; the

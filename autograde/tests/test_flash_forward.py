@@ -8,7 +8,7 @@ the learner's process. The memory and work rules are also graded from outside it
 cases too large for their measurements to be lost in noise: during a call at L = S = 4096, the
 memory of the learner's processes must rise by less than all the scores would take at two
 bytes each (`judge.whole_scores`), and at L = S = 2048 with the causal mask they must spend at
-most 0.95x the CPU time they spend without it (`judge.work_time`), so that scores kept in
+most the CPU time they spend without it (`judge.work_time`), so that scores kept in
 blocks, or computed where the modes do not look, are caught as well.
 
 The hidden tests are parametrised by the axes along which the contract lets inputs vary, so
@@ -56,10 +56,12 @@ WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
 # d = 128, so that a block's two products outweigh what masking it costs (the reference takes about
 # 0.1 s of CPU time without the mask, 0.6-0.7x that with it; an honest answer that also masks every
 # block it computes 0.7-0.8x, up to 0.82x in the median of nine pairs beside a CPU hog, where at
-# d = 64 it measured 0.8-0.9x here and once 0.94x on another machine; one that computes every block
-# 1.0x and more). The rule allows 0.95x: a submission that computes every block spends at least
-# its full call's time, and the points of a right answer with costs of its own matter more than
-# those of one that also got around the FLOP count inside. Judged on the median of up to nine
+# d = 64 it measured 0.8-0.9x here and once 0.94x on another machine, and with -1e9 for -inf
+# (whose exponentials take a slow path) once 0.93x at d = 128 beside a hog and a neighbour's tests;
+# one that computes every block 1.0x and more, 1.3x and more as written). So the rule allows 1.0x,
+# the causal call no dearer than the full one: a submission that computes every block spends at
+# least its full call's time, and the points of a right answer with costs of its own matter more
+# than those of one that also got around the FLOP count inside. Judged on the median of up to nine
 # pairs (a causal call, then a full one) to ride out noise: one pair alone has swung from 0.32x to
 # 1.49x for the same answer beside a hog. The calls stop once the median is settled (more than half
 # of the nine on one side of WORK_TIME_RATIO), or early once WORK_TIME_CLEAR_PAIRS pairs, and most
@@ -67,7 +69,7 @@ WHOLE_LENGTH, WHOLE_HEAD_DIM, WHOLE_BLOCK = 4096, 16, 128
 # pair's ratio has come out at 0.62x of its usual value, enough to clear an answer that computes
 # every block; two pairs so far off are what the early stop needs.
 WORK_TIME_LENGTH, WORK_TIME_HEADS, WORK_TIME_HEAD_DIM, WORK_TIME_BLOCK = 2048, 2, 128, 128
-WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 9, 0.95, 0.7, 2
+WORK_TIME_CALLS, WORK_TIME_RATIO, WORK_TIME_CLEAR, WORK_TIME_CLEAR_PAIRS = 9, 1.0, 0.7, 2
 # Both cases' values are checked on every CHECKED_ROW_STEP-th row, against the definition: all of
 # them would cost the grader more than the learner's calls; a step below the blocks' 128 rows
 # checks a row or more of each block, at a different place in each.
@@ -485,7 +487,7 @@ def test_whole_scores_measured_from_outside(submission, draw):
 @pytest.mark.points(0.5)
 @pytest.mark.uses(FORWARD)
 def test_work_measured_from_outside(submission, draw):
-    """causal, L = S = 2048: CPU time measured from outside your process at most 0.95x that without the mask"""
+    """causal, L = S = 2048: CPU time measured from outside your process at most 1.0x that without the mask"""
     submission.forward(work_time_inputs(draw, 2 * WORK_TIME_BLOCK))  # code run for the first time, not measured
     inputs = work_time_inputs(draw)
     blocks = {name: value for name, value in options_of(inputs).items() if name != "causal"}
