@@ -19,6 +19,7 @@ import io
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -572,9 +573,9 @@ def test_the_reference_keeps_the_rules_with_room_to_spare():
     q, k, v = random_qkv(1, 1, 1024, 1024, 16, dtype=torch.float32)
     flops = {}
     for causal in (False, True):
-        with measure.Footprint() as footprint:
+        with measure.MatmulFlops() as counted:
             FORWARD_REF["flash_attention_forward"](q, k, v, causal)
-        flops[causal] = footprint.matmul_flops
+        flops[causal] = counted.matmul_flops
     assert flops[True] / flops[False] == 136 / 256  # 16 x 16 blocks of 64, the diagonal and below
 
     q, k, v = random_qkv(2, 2, 192, 160, 16, dtype=torch.float32)
@@ -587,16 +588,42 @@ def test_the_reference_keeps_the_rules_with_room_to_spare():
     assert footprint.largest == q.numel()
 
 
-def test_footprint_counts_matmul_flops_as_flopcountermode_does():
+def test_matmul_flops_are_counted_as_flopcountermode_counts_them():
     from torch.utils.flop_counter import FlopCounterMode
 
     q, k, v = random_qkv(2, 1, 100, 80, 16)
     forward = FORWARD_REF["flash_attention_forward"]
-    with measure.Footprint() as footprint:
+    with measure.MatmulFlops() as counted:
         forward(q, k, v, True, 32, 16)
     with FlopCounterMode(display=False) as counter:
         forward(q, k, v, True, 32, 16)
-    assert footprint.matmul_flops == counter.get_total_flops() > 0
+    assert counted.matmul_flops == counter.get_total_flops() > 0
+
+
+def test_matmul_flops_count_every_product_and_way_of_calling_it_and_nothing_else():
+    """Each of FlopCounterMode's products, its out= overload, under inference_mode, in another thread,
+    inside a dispatch mode; the kernels are the operators' own again afterwards."""
+    a, b, batched = torch.randn(10, 6), torch.randn(6, 4), torch.randn(3, 10, 6)
+    one = 2 * 10 * 6 * 4
+    with measure.MatmulFlops() as counted:
+        torch.mm(a, b)
+        torch.addmm(torch.zeros(10, 4), a, b)
+        torch.bmm(batched, b.expand(3, 6, 4))
+        torch.baddbmm(torch.zeros(3, 10, 4), batched, b.expand(3, 6, 4))
+        torch.matmul(a, b, out=torch.empty(10, 4))
+        with torch.inference_mode():
+            a @ b
+        worker = threading.Thread(target=torch.mm, args=(a, b))
+        worker.start()
+        worker.join()
+        with measure.Footprint():
+            a @ b
+        (a * 2).sum()
+    assert counted.matmul_flops == (1 + 1 + 3 + 3 + 1 + 1 + 1 + 1) * one
+    with measure.MatmulFlops() as nothing:
+        pass
+    torch.mm(a, b)
+    assert nothing.matmul_flops == 0 and counted.matmul_flops == 12 * one
 
 
 def test_footprint_counts_every_tensor_an_operator_returns():
@@ -611,7 +638,7 @@ def test_footprint_counts_every_tensor_an_operator_returns():
         a @ a.T
     assert (pair.largest, pair.produced) == (60, 120)
     assert (views.largest, views.produced) == (24, 0)
-    assert (one.largest, one.produced, one.matmul_flops) == (100, 100, 2 * 10 * 10 * 6)
+    assert (one.largest, one.produced) == (100, 100)
 
 
 def test_the_measuring_modes_import_no_torch_compile_and_measure_compiled_code_as_eager_code():
@@ -624,14 +651,17 @@ def test_the_measuring_modes_import_no_torch_compile_and_measure_compiled_code_a
         def attention(q, k):
             return torch.softmax(q @ k.T, dim=-1)
         q, k = torch.randn(64, 16), torch.randn(128, 16)
-        with measure.Footprint() as eager, measure.Reductions() as eager_reductions:
+        with (measure.Footprint() as eager, measure.MatmulFlops() as eager_flops,
+              measure.Reductions() as eager_reductions):
             attention(q, k)
         assert "torch._dynamo" not in sys.modules, "a measuring mode loaded torch._dynamo"
-        with measure.Footprint() as compiled, measure.Reductions() as compiled_reductions:
+        with (measure.Footprint() as compiled, measure.MatmulFlops() as compiled_flops,
+              measure.Reductions() as compiled_reductions):
             attention_compiled = torch.compile(attention, backend="eager")
             attention_compiled(q, k)
         assert "torch._dynamo" in sys.modules
-        assert (compiled.largest, compiled.matmul_flops) == (eager.largest, eager.matmul_flops) == (8192, 262144)
+        assert compiled.largest == eager.largest == 8192
+        assert compiled_flops.matmul_flops == eager_flops.matmul_flops == 262144
         assert compiled_reductions.widest == eager_reductions.widest == 128
     """], capture_output=True, text=True, timeout=300)
     assert measured.returncode == 0, measured.stderr[-3000:]

@@ -113,10 +113,10 @@ def memory_bounds(inputs: Inputs) -> dict:
 def decode_memory(functions, inputs: Inputs) -> dict:
     """One new token after the given cache, the largest tensor created during the step measured."""
     module, x, cache = given_module(inputs), inputs["x"], given_cache(inputs)
-    with measure.Footprint() as footprint:
+    with measure.Footprint() as footprint, measure.MatmulFlops() as counted:
         out, cache = pair(functions.mla_decode_step(module, x, cache), "mla_decode_step(module, x_new, cache)",
                           "(out, (latent, rope_keys))")
-    return {"out": out, LARGEST: footprint.largest, COMPUTED: footprint.produced, FLOPS: footprint.matmul_flops,
+    return {"out": out, LARGEST: footprint.largest, COMPUTED: footprint.produced, FLOPS: counted.matmul_flops,
             **memory_bounds(inputs)}
 
 

@@ -1,8 +1,9 @@
 """The measurements of the rules, made in the learner's process while an adapter calls its code.
 
 - `Footprint`: the largest tensor created during a call (every tensor an operator returns,
-  views included, by number of elements), the elements every operation computes and the matmul
-  FLOPs, counted with the formulas of `torch.utils.flop_counter.FlopCounterMode`;
+  views included, by number of elements) and the elements every operation computes;
+- `MatmulFlops`: the matmul FLOPs of a call, counted with the formulas of
+  `torch.utils.flop_counter.FlopCounterMode`;
 - `AutogradRecorded`: the tensors autograd saved for a backward during a call;
 - `saved_for_backward`: what an autograd Function's forward kept for its backward;
 - `TritonLaunches`: how many Triton kernels a call launched, compiled or interpreted, and the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
 from torch.utils import _python_dispatch, _pytree
@@ -47,39 +49,66 @@ class _Measuring(TorchDispatchMode):
 
 
 class Footprint(_Measuring):
-    """While active: the largest tensor any operator returns, the elements of all but views, and the
-    matmul FLOPs spent.
-
-    FLOPs follow `FlopCounterMode`'s formulas (2 m n k per product). Counting them here
-    rather than running `FlopCounterMode` itself gives the same numbers for these operators
-    at a fraction of the cost: `FlopCounterMode` tries to decompose every other operator.
-    """
+    """While active: the largest tensor any operator returns, and the elements of all but views."""
 
     def __init__(self):
         super().__init__()
-        # Imported here, not with this module: it imports Triton, which must not be imported
-        # before the grading process has chosen whether to interpret kernels (see flash_triton).
-        from torch.utils.flop_counter import flop_registry
-
-        self.formulas = {op: _on_shapes(flop_registry[op]) for op in _MATMULS}
         self.largest = 0
         self.produced = 0  # elements computed: of every tensor returned but views, however the work is split
-        self.matmul_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         for value in _returned_tensors(out):
             self.largest = max(self.largest, value.numel())
             if not func.is_view:
                 self.produced += value.numel()
-        if func.overloadpacket in self.formulas:
-            self.matmul_flops += self.formulas[func.overloadpacket](*args, **kwargs, out_val=out)
         return out
 
 
-# A tiled loop makes thousands of small operations in a call, so the handler above avoids torch's
-# pytrees (about a fifth of a measured call's CPU time at flash_forward's FLOP-counted work case).
+class MatmulFlops:
+    """While active: the matmul FLOPs spent, in every thread, as `FlopCounterMode` counts them (its
+    formulas, 2 m n k per product, for each overload of its matrix products).
+
+    Each device kernel of those operators is replaced by one that calls it and counts, so every
+    other operator runs at full speed: a dispatch mode sees each of the thousands of small
+    operations of a tiled loop in Python, about 20 µs each. In the dispatcher, the count holds
+    under `no_grad` and `inference_mode`, and for products made in another thread."""
+
+    def __enter__(self) -> "MatmulFlops":
+        # Imported here, not with this module: it imports Triton, which must not be imported
+        # before the grading process has chosen whether to interpret kernels (see flash_triton).
+        from torch.utils.flop_counter import flop_registry
+
+        self.matmul_flops = 0
+        self._library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": as meant
+            for packet in _MATMULS:
+                formula = _on_shapes(flop_registry[packet])
+                for overload in packet.overloads():
+                    name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
+                    for key in _DEVICE_KEYS:
+                        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+                            kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{name}", key)
+                            self._library.impl(name, self._counting(kernel, formula), key, with_keyset=True)
+        return self
+
+    def _counting(self, kernel, formula):
+        def counted(keyset, *args, **kwargs):
+            out = kernel.call_boxed(keyset, *args, **kwargs)
+            self.matmul_flops += formula(*args, **kwargs, out_val=out)
+            return out
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        self._library._destroy()  # the operators' own kernels are back
+
+
+_DEVICE_KEYS = ("CPU", "CUDA", "MPS", "XPU")
+
+
+# A tiled loop makes thousands of small operations in a call, so the handlers here avoid torch's
+# pytrees (about a fifth of a call's CPU time under a dispatch mode seeing every operator).
 
 def _on_shapes(formula):
     """A formula of `flop_registry`, called on the shapes of the operator's tensors. The registry
