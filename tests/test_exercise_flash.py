@@ -588,15 +588,24 @@ def test_the_reference_keeps_the_rules_with_room_to_spare():
     assert footprint.largest == q.numel()
 
 
-def test_matmul_flops_are_counted_as_flopcountermode_counts_them():
+@pytest.mark.parametrize("torch_has_get_kernel", [True, False], ids=["in-the-dispatcher", "before-torch-2.9"])
+def test_matmul_flops_are_counted_as_flopcountermode_counts_them(monkeypatch, torch_has_get_kernel):
     from torch.utils.flop_counter import FlopCounterMode
 
+    if not torch_has_get_kernel:
+        monkeypatch.delattr(torch.library, "get_kernel")
     q, k, v = random_qkv(2, 1, 100, 80, 16)
     forward = FORWARD_REF["flash_attention_forward"]
     with measure.MatmulFlops() as counted:
         forward(q, k, v, True, 32, 16)
+        torch.matmul(q[0, 0], k[0, 0].T, out=torch.empty(100, 80, dtype=q.dtype))
+        with torch.inference_mode():
+            torch.addmm(torch.zeros(100, 80, dtype=q.dtype), q[0, 0], k[0, 0].T)
     with FlopCounterMode(display=False) as counter:
         forward(q, k, v, True, 32, 16)
+        torch.matmul(q[0, 0], k[0, 0].T, out=torch.empty(100, 80, dtype=q.dtype))
+        with torch.inference_mode():
+            torch.addmm(torch.zeros(100, 80, dtype=q.dtype), q[0, 0], k[0, 0].T)
     assert counted.matmul_flops == counter.get_total_flops() > 0
 
 

@@ -69,10 +69,11 @@ class MatmulFlops:
     """While active: the matmul FLOPs spent, in every thread, as `FlopCounterMode` counts them (its
     formulas, 2 m n k per product, for each overload of its matrix products).
 
-    Each device kernel of those operators is replaced by one that calls it and counts, so every
-    other operator runs at full speed: a dispatch mode sees each of the thousands of small
-    operations of a tiled loop in Python, about 20 µs each. In the dispatcher, the count holds
-    under `no_grad` and `inference_mode`, and for products made in another thread."""
+    Each device kernel of those operators is replaced by one that calls it and counts
+    (`torch.library.get_kernel`, torch 2.9 and later), so every other operator runs at full speed:
+    a dispatch mode sees each of the thousands of small operations of a tiled loop in Python, about
+    20 µs each. In the dispatcher, the count holds under `no_grad` and `inference_mode`, and for
+    products made in another thread. Before torch 2.9, a dispatch mode counts them, in this thread."""
 
     def __enter__(self) -> "MatmulFlops":
         # Imported here, not with this module: it imports Triton, which must not be imported
@@ -80,17 +81,21 @@ class MatmulFlops:
         from torch.utils.flop_counter import flop_registry
 
         self.matmul_flops = 0
-        self._library = torch.library.Library("aten", "IMPL")
+        formulas = {packet: _on_shapes(flop_registry[packet]) for packet in _MATMULS}
+        if not hasattr(torch.library, "get_kernel"):
+            self._counter = _MatmulCountingMode(self, formulas)
+            self._counter.__enter__()
+            return self
+        self._counter = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": as meant
-            for packet in _MATMULS:
-                formula = _on_shapes(flop_registry[packet])
+            for packet, formula in formulas.items():
                 for overload in packet.overloads():
-                    name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
+                    name = f"aten::{packet.__name__}" + ("" if overload == "default" else f".{overload}")
                     for key in _DEVICE_KEYS:
-                        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-                            kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{name}", key)
-                            self._library.impl(name, self._counting(kernel, formula), key, with_keyset=True)
+                        if torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+                            kernel = torch.library.get_kernel(name, key)
+                            self._counter.impl(name, self._counting(kernel, formula), key, with_keyset=True)
         return self
 
     def _counting(self, kernel, formula):
@@ -101,7 +106,26 @@ class MatmulFlops:
         return counted
 
     def __exit__(self, *exc) -> None:
-        self._library._destroy()  # the operators' own kernels are back
+        if isinstance(self._counter, torch.library.Library):
+            self._counter._destroy()  # the operators' own kernels are back
+        else:
+            self._counter.__exit__(*exc)
+
+
+class _MatmulCountingMode(_Measuring):
+    """`MatmulFlops` before torch 2.9, which cannot call a kernel it replaces: every operator seen."""
+
+    def __init__(self, owner: MatmulFlops, formulas: dict):
+        super().__init__()
+        self.owner, self.formulas = owner, formulas
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is not None:
+            self.owner.matmul_flops += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 _DEVICE_KEYS = ("CPU", "CUDA", "MPS", "XPU")
