@@ -72,8 +72,8 @@ class MatmulFlops:
     Each device kernel of those operators is replaced by one that calls it and counts
     (`torch.library.get_kernel`, torch 2.9 and later), so every other operator runs at full speed:
     a dispatch mode sees each of the thousands of small operations of a tiled loop in Python, about
-    20 µs each. In the dispatcher, the count holds under `no_grad` and `inference_mode`, and for
-    products made in another thread. Before torch 2.9, a dispatch mode counts them, in this thread."""
+    20 µs each. In the dispatcher, the count also takes in products made in another thread, which a
+    mode, one thread's, does not see. Before torch 2.9, a dispatch mode counts them, in this thread."""
 
     def __enter__(self) -> "MatmulFlops":
         # Imported here, not with this module: it imports Triton, which must not be imported
