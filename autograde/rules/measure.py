@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from typing import Iterator
 
 import torch
 from torch.utils import _python_dispatch, _pytree
@@ -90,12 +91,9 @@ class MatmulFlops:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": as meant
             for packet, formula in formulas.items():
-                for overload in packet.overloads():
-                    name = f"aten::{packet.__name__}" + ("" if overload == "default" else f".{overload}")
-                    for key in _DEVICE_KEYS:
-                        if torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
-                            kernel = torch.library.get_kernel(name, key)
-                            self._counter.impl(name, self._counting(kernel, formula), key, with_keyset=True)
+                for name, key in kernels_of(packet, _DEVICE_KEYS):
+                    kernel = torch.library.get_kernel(f"aten::{name}", key)
+                    self._counter.impl(name, self._counting(kernel, formula), key, with_keyset=True)
         return self
 
     def _counting(self, kernel, formula):
@@ -129,6 +127,16 @@ class _MatmulCountingMode(_Measuring):
 
 
 _DEVICE_KEYS = ("CPU", "CUDA", "MPS", "XPU")
+
+
+def kernels_of(packet, keys: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """(overload, dispatch key) of each kernel registered for an aten operator under one of `keys`,
+    e.g. ("_softmax.out", "CPU"): what a `torch.library.Library("aten", "IMPL")` may replace."""
+    for overload in packet.overloads():
+        name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
+        for key in keys:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+                yield name, key
 
 
 # A tiled loop makes thousands of small operations in a call, so the handlers here avoid torch's

@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 
 from autograde.observe import learner_line
+from autograde.rules.measure import kernels_of
 from autograde.submission.forbidden import Violation
 
 
@@ -190,15 +191,6 @@ _KERNEL_KEYS = ("CPU", "CUDA", "MPS", "XPU", "NestedTensorCPU", "NestedTensorCUD
                 "CompositeImplicitAutograd", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
 
 
-def _kernels_of(packet) -> Iterable[tuple[str, str]]:
-    """(overload, dispatch key) of each kernel registered for an operator, e.g. ("_softmax.out", "CPU")."""
-    for overload in packet.overloads():
-        name = packet.__name__ if overload == "default" else f"{packet.__name__}.{overload}"
-        for key in _KERNEL_KEYS:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-                yield name, key
-
-
 class _OperatorTripwire:
     """The dispatcher's half of a `Tripwire`: while entered, every kernel of the not-allowed
     operators is replaced by one that stops the call, so no alias and no way of calling goes
@@ -207,8 +199,9 @@ class _OperatorTripwire:
 
     def __init__(self, owner: Tripwire, targets: dict):
         self.owner = owner
+        # (overload, dispatch key, name reported)
         self._kernels = [(overload, key, name) for packet, name in targets.items()
-                         for overload, key in _kernels_of(packet)]  # (overload, dispatch key, name reported)
+                         for overload, key in kernels_of(packet, _KERNEL_KEYS)]
         self._library = None
 
     def __enter__(self):
