@@ -13,9 +13,9 @@ look finished. Once a signal has arrived nothing more is recorded, whatever come
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sqlite3
@@ -27,9 +27,11 @@ from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from autograde.cases import Exercise
+from autograde.grading import processes
 from autograde.grading.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
 from autograde.grading.journal import Journal, fingerprint, from_json, to_json
 from autograde.grading.provenance import same_person, shard_of
@@ -38,7 +40,7 @@ from autograde.sandbox import client as sandbox
 from autograde.sandbox import isolation
 from autograde.submission import locate, notebook
 
-STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOPPING_SIGNALS = processes.STOPPING_SIGNALS
 _stopped_by: list[int] = []  # the first stopping signal this run received
 
 
@@ -73,26 +75,20 @@ def _stop_if_interrupted() -> None:
 
 
 def _grading_process_setup(threads: int) -> None:
-    """A grading process of the pool dies with the run, and leaves signals to it (see above); its
-    fork server inherits the ignored signals. Its share of the cores: torch's default, a thread per
-    core in each of `--jobs` processes, keeps threads spinning for cores that the others hold."""
+    """A grading process of the pool dies with the run, and leaves signals to it (see above: it begins
+    with them blocked, `processes.start`, and ignores them before it lets them in); its fork server
+    inherits the ignored signals. Its share of the cores: torch's default, a thread per core in each
+    of `--jobs` processes, keeps threads spinning for cores that the others hold."""
     isolation.die_with_parent()
     notebook.skip_iri_grammars()
     for number in STOPPING_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
-    import torch  # imported by the grading that follows anyway; here only to size its pool of threads
-
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING_SIGNALS)
     torch.set_num_threads(threads)
-    atexit.register(_exit_now)  # registered before the fork server's own `close`, so run after it
+    # A process of the pool ends in os._exit, which skips atexit (and the interpreter's teardown, a
+    # second of torch's and triton's) but runs multiprocessing's finalizers: its fork server stops there.
+    multiprocessing.util.Finalize(None, sandbox.close_fork_server, exitpriority=0)
     start_sandbox()
-
-
-def _exit_now() -> None:
-    """A grading process's last step as the pool shuts down: every row went back to the run and its
-    fork server has stopped, so the interpreter's teardown (torch's, triton's: a second) is skipped."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def start_sandbox() -> None:
@@ -340,7 +336,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         else:
             # Each grading process dies with this one (SIGKILL included), and its fork server with it.
             workers = min(jobs, len(tasks))
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
                                        initializer=_grading_process_setup,
                                        initargs=(max(1, len(os.sched_getaffinity(0)) // workers),))
             shared = ExercisesShared(tasks)

@@ -388,6 +388,11 @@ def fork_server() -> ForkServer:
         return _shared
 
 
+def close_fork_server() -> None:
+    """Stop this process's fork server, if it has one, as at exit: its requests closed, then waited for."""
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
 
 
 def stop_fork_server() -> None:
