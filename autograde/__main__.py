@@ -13,6 +13,7 @@ if __name__ == "__main__":
     code = main()
     # Everything the command wrote is closed: atexit's handlers run (a fork server's close among them),
     # then the interpreter's teardown, most of a second of torch's and triton's modules, is skipped.
+    processes.stop()  # where it was started early for a run that needed none
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -366,7 +366,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 for process in list(getattr(pool, "_processes", {}).values()):
                     process.kill()  # its fork server, and what that runs, die with it
                 pool.shutdown(wait=False, cancel_futures=True)
+                processes.stop()
                 _stop_if_interrupted()  # a grading process that a signal ended first breaks the pool
                 raise
             pool.shutdown()
+            processes.stop()
     return [(student, grades[student, e.id]) for student in students for e in chosen]
