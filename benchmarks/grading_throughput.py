@@ -17,9 +17,10 @@ as released). Then, one after the other in the same run, it times
 
 With `--nbgrader-students K`, nbgrader grades only the first K students (it takes about 20 times
 longer per notebook), and the grader grades them again on their own, so that the ratio compares
-the same notebooks, timed one after the other in the same run; it also prints nbgrader's seconds
-per notebook times the whole class's notebooks over the grader's measured time on the class, an
-extrapolation that holds because nbgrader starts a kernel for every notebook.
+the same notebooks, timed one after the other in the same run. No ratio is extrapolated from them
+to the class: nbgrader's time per notebook falls as the class grows (its steps per assignment,
+`generate_assignment` and each `autograde` command's start, are shared by more notebooks), so its
+time on K students spread over the class would overstate it.
 
 It prints the machine, the wall time of each and per notebook, nbgrader's time over the
 grader's on the same notebooks, and the (student, exercise) pairs where the two give different
@@ -270,7 +271,7 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
         "nbgrader_students": subset_students, "nbgrader_notebooks": None, "autograde_subset_seconds": None,
         "autograde_subset_cpu_seconds": None, "nbgrader_seconds": None, "nbgrader_cpu_seconds": None,
         "nbgrader_seconds_per_notebook": None, "nbgrader_over_autograde": None, "nbgrader_over_autograde_cpu": None,
-        "nbgrader_extrapolated_over_autograde": None, "grades": None, "disagreements": None,
+        "grades": None, "disagreements": None,
     }
     if scaling and jobs != 1:
         one_seconds, one_cpu, one = grade_with_autograde(submitted, folder / "grades-1-job", seed, 1)
@@ -305,9 +306,6 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
                   nbgrader_cpu_seconds=nbgrader_cpu, nbgrader_seconds_per_notebook=nbgrader_seconds / len(subset),
                   nbgrader_over_autograde=nbgrader_seconds / subset_seconds,
                   nbgrader_over_autograde_cpu=nbgrader_cpu / subset_cpu,
-                  # nbgrader runs a kernel a notebook, start-up included: its time grows with the class
-                  nbgrader_extrapolated_over_autograde=(nbgrader_seconds / len(subset) * notebooks / ours_seconds
-                                                        if len(subset) < notebooks else None),
                   grades=grades, disagreements=[row for row in grades if not row["agree"]])
     return report
 
@@ -344,10 +342,6 @@ def markdown(report: dict) -> str:
             f"(CPU seconds: {report['nbgrader_over_autograde_cpu']:.2f}x)",
             f"points that differ: {len(found)} of {subset} (student, exercise) pairs",
         ]
-        if report["nbgrader_extrapolated_over_autograde"] is not None:
-            lines.append(f"nbgrader extrapolated to the whole class ({report['nbgrader_seconds_per_notebook']:.2f} s a "
-                         f"notebook x {report['notebooks']}, a kernel each) / autograde measured on it: "
-                         f"{report['nbgrader_extrapolated_over_autograde']:.2f}x")
         lines += [f"  - {d['student']} {d['exercise']} ({d['submission']}): autograde {d['autograde']}, "
                   f"nbgrader {d['nbgrader']}" for d in found[:SHOWN_DISAGREEMENTS]]
     if report["scaling"]:
@@ -376,8 +370,6 @@ def summary_values(report: dict) -> dict[str, float]:
                       nbgrader_over_autograde=report["nbgrader_over_autograde"],
                       nbgrader_over_autograde_cpu=report["nbgrader_over_autograde_cpu"],
                       points_that_differ=len(report["disagreements"]))
-        if report["nbgrader_extrapolated_over_autograde"] is not None:
-            values["nbgrader_extrapolated_over_autograde"] = report["nbgrader_extrapolated_over_autograde"]
     for row in report["scaling"] or []:
         values[f"seconds_jobs_{row['jobs']}"] = row["seconds"]
     for row in report["per_exercise"] or []:
