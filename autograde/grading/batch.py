@@ -14,7 +14,6 @@ look finished. Once a signal has arrived nothing more is recorded, whatever come
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import multiprocessing.util
 import os
 import signal
