@@ -50,22 +50,23 @@ def triton_inputs(draw: Draw, B: int, H: int, L: int, S: int, d: int, causal: bo
     return attention_inputs(draw, B, H, L, S, d, torch.float32, causal=causal)
 
 
-# Visible cases.
+# Visible cases: at least two of the notebook's blocks of 64 queries or keys where a case has
+# more than one, so that moving from block to block is checked where a learner sees it.
 
 def square(draw: Draw) -> Inputs:
-    return Inputs(triton_inputs(draw, 1, 2, 64, 64, 16, False), "L == S")
+    return Inputs(triton_inputs(draw, 1, 2, 128, 128, 16, False), "L == S")
 
 
 def ragged(draw: Draw) -> Inputs:
-    return Inputs(triton_inputs(draw, 2, 1, 45, 70, 32, False), "L != S, ragged last blocks of queries and keys")
+    return Inputs(triton_inputs(draw, 2, 1, 90, 140, 32, False), "L != S, ragged last blocks of queries and keys")
 
 
 def causal_square(draw: Draw) -> Inputs:
-    return Inputs(triton_inputs(draw, 1, 2, 50, 50, 16, True), "L == S, ragged")
+    return Inputs(triton_inputs(draw, 1, 2, 100, 100, 16, True), "L == S, ragged")
 
 
 def causal_more_queries(draw: Draw) -> Inputs:
-    return Inputs(triton_inputs(draw, 1, 1, 40, 23, 64, True), rows_attending_nothing(40, 23))
+    return Inputs(triton_inputs(draw, 1, 1, 80, 46, 64, True), rows_attending_nothing(80, 46))
 
 
 # Hidden cases: one per value of each axis (the parameters); sizes and values from the seed.
