@@ -136,7 +136,7 @@ def test_feedback_in_html_is_the_markdown_rendered_with_what_submissions_wrote_e
 
 def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_grades):
     page = (class_grades.out / "report.html").read_text()
-    assert page.count('<img alt="Histograms of the scores of each exercise; mean scores: sdpa ') == 1
+    assert page.count('<img alt="Students of each exercise by tenths of its points; mean scores: sdpa ') == 1
     assert page.count('<img alt="Stacked bars of the notebooks of each exercise by status; in all, ') == 1
     for heading in ("Needs attention", "Scores", "Students", "Tests most often failed", "Slowest notebooks"):
         assert f"<h2>{heading}</h2>" in page

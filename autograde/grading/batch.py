@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 from collections import Counter, defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
@@ -272,7 +272,8 @@ class ExercisesShared:
 
 def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
               assignments: list[str] | None = None, progress: bool = True,
-              journal: Journal | None = None, shard: tuple[int, int] = (1, 1)) -> list[tuple[str, Grade]]:
+              journal: Journal | None = None, shard: tuple[int, int] = (1, 1),
+              meanwhile: Callable[[], object] | None = None) -> list[tuple[str, Grade]]:
     """Every (student, exercise) row, in order; with a journal, recorded as each finishes.
 
     With `shard=(K, N)`, only the students of shard K of N (`provenance.shard_of`); the
@@ -280,7 +281,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
 
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
     in as many grading processes (trusted: they run the tests, each with its own fork server),
-    which share the exercises out (`ExercisesShared`).
+    which share the exercises out (`ExercisesShared`). `meanwhile` runs once, when the last notebook
+    has been handed out, on the core that the first process to find nothing left gives back (the
+    command imports what it writes the reports with).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
@@ -360,6 +363,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                         following = shared.done(grader, grade.exercise.id)
                         if following:
                             submit(following)
+                        elif meanwhile is not None:
+                            meanwhile()
+                            meanwhile = None
                 bar.set_postfix_str(STOPPING)
             except BaseException:
                 for process in list(getattr(pool, "_processes", {}).values()):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from autograde.grading.grade import Grade
 
 MOST_FAILED, SLOWEST = 15, 10
+BANDS = 10  # the score map's columns: tenths of an exercise's points
 ATTENTION = ("review", "not allowed", "crashed", "incomplete")  # statuses a person should look at
 SLOWEST_HEADING = "<h2>Slowest notebooks</h2>"
 
@@ -35,31 +36,45 @@ def _figure_tag(figure, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
 
 
-def _figures(rows: list[tuple[str, Grade]]) -> str:
+def plotting():
+    """matplotlib's pyplot, drawing without a display (none where instructors grade). Its import takes
+    half a second: a run imports it while its last notebooks are graded (`batch.grade_all`)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # no display where instructors grade
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _figures(rows: list[tuple[str, Grade]]) -> str:
+    plt = plotting()
     by_exercise: dict[str, list[Grade]] = defaultdict(list)
     for _, grade in rows:
         by_exercise[grade.exercise.id].append(grade)
     exercises = list(by_exercise)
-    figure, axes = plt.subplots(1, len(exercises), figsize=(3 * len(exercises), 2.8), squeeze=False)
-    for axis, exercise in zip(axes[0], exercises):
-        grades = by_exercise[exercise]
-        top = max(g.max_score for g in grades) or 1
-        axis.hist([g.score for g in grades], bins=[top * i / 10 for i in range(11)], color="tab:blue")
-        axis.set_title(exercise)
-        axis.set_xlabel("score")
-    axes[0][0].set_ylabel("students")
-    figure.suptitle("Scores by exercise")
-    # Margins in inches, the same for any number of exercises: tight_layout measured every axis's
-    # text, half a second for twelve.
-    width = figure.get_figwidth()
-    figure.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.2, top=0.78, wspace=0.35)
+    # One map of the class, exercises by tenths of their points: one axes draws in a fifth of the time
+    # of a histogram per exercise (0.14 against 0.6 s for twelve), and stays as wide for any number.
+    counts = [[0] * BANDS for _ in exercises]
+    for row, exercise in zip(counts, exercises):
+        for grade in by_exercise[exercise]:
+            row[min(BANDS - 1, int(BANDS * grade.score / (grade.max_score or 1)))] += 1
+    figure, axis = plt.subplots(figsize=(6.4, 0.8 + 0.3 * len(exercises)))
+    axis.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
+    axis.set_yticks(range(len(exercises)), exercises)
+    width = 100 // BANDS
+    axis.set_xticks(range(BANDS), [f"{width * band}-{width * (band + 1)}" for band in range(BANDS)])
+    most = max(max(row) for row in counts)
+    for y, row in enumerate(counts):
+        for x, count in enumerate(row):
+            if count:
+                axis.text(x, y, str(count), ha="center", va="center", fontsize="small",
+                          color="white" if count > most / 2 else "black")
+    axis.set_xlabel("score, % of the exercise's points (100 in the last band)")
+    axis.set_title("Students by score")
+    figure.tight_layout()
     means = ", ".join(f"{e} {points(sum(g.score for g in by_exercise[e]) / len(by_exercise[e]))}" for e in exercises)
-    scores = _figure_tag(figure, f"Histograms of the scores of each exercise; mean scores: {means}")
+    scores = _figure_tag(figure, f"Students of each exercise by tenths of its points; mean scores: {means}")
     plt.close(figure)
 
     statuses = Counter((grade.exercise.id, grade.status) for _, grade in rows)
