@@ -58,18 +58,33 @@ SUBMISSIONS = {
 }
 
 
+MEANWHILE: list[int] = []  # the calls of what this run does meanwhile, which fails on purpose
+
+
+def _meanwhile_that_fails() -> None:
+    MEANWHILE.append(len(MEANWHILE))
+    raise RuntimeError("what the run does while its last notebooks are graded fails")
+
+
 @pytest.fixture(scope="module")
 def grades(tmp_path_factory) -> dict[str, grade.Grade]:
     submitted = tmp_path_factory.mktemp("hostile")
     for student, (exercise_id, answers) in SUBMISSIONS.items():
         write(learner_notebook(exercise_id, answers), submitted / student / "attention" / f"{exercise_id}.ipynb")
-    rows = batch.grade_all(submitted, SEED, jobs=2, limits=LIMITS, progress=False)
+    rows = batch.grade_all(submitted, SEED, jobs=2, limits=LIMITS, progress=False, meanwhile=_meanwhile_that_fails)
     mine = {student: exercise_id for student, (exercise_id, _) in SUBMISSIONS.items()}
     return {student: g for student, g in rows if g.exercise.id == mine[student]}
 
 
 def test_others_are_unaffected(grades):
     assert (grades["ada"].status, grades["ada"].score) == (grade.GRADED, 10)
+
+
+def test_what_the_run_does_meanwhile_runs_once_and_its_failure_stops_no_grade(grades):
+    """`meanwhile` (the command imports matplotlib there) runs once the last notebook is handed out;
+    if it fails, every notebook is still graded and recorded."""
+    assert MEANWHILE == [0]
+    assert set(grades) == set(SUBMISSIONS) and all(g.status for g in grades.values())
 
 
 def test_a_missing_function_loses_its_tests_only(grades):
