@@ -3,9 +3,13 @@ import os
 import sys
 
 from autograde.grading import processes
+from autograde.sandbox import client as sandbox
 
-if __name__ == "__main__" and processes.worth_starting_early(sys.argv[1:]):
-    processes.start()  # the grading processes' imports on one core, this process's on the other
+if __name__ == "__main__" and processes.will_grade(sys.argv[1:]):
+    # The fork servers' imports, once for the run, and the grading processes' beside this process's.
+    sandbox.start_zygote()
+    if processes.worth_starting_early(sys.argv[1:]):
+        processes.start()
 
 from autograde.frontends.cli import main  # noqa: E402  (after the start above, on purpose)
 

@@ -18,6 +18,7 @@ import dataclasses
 import multiprocessing.util
 import os
 import signal
+import socket
 import sqlite3
 import sys
 import time
@@ -74,11 +75,12 @@ def _stop_if_interrupted() -> None:
         raise Interrupted(_stopped_by[0])
 
 
-def _grading_process_setup(threads: int) -> None:
+def _grading_process_setup(threads: int, zygote: socket.socket | None) -> None:
     """A grading process of the pool dies with the run, and leaves signals to it (see above: it begins
     with them blocked, `processes.start`, and ignores them before it lets them in); its fork server
-    inherits the ignored signals. Its share of the cores: torch's default, a thread per core in each
-    of `--jobs` processes, keeps threads spinning for cores that the others hold."""
+    inherits the ignored signals, and is forked from the run's zygote where there is one. Its share
+    of the cores: torch's default, a thread per core in each of `--jobs` processes, keeps threads
+    spinning for cores that the others hold."""
     isolation.die_with_parent()
     notebook.skip_iri_grammars()
     for number in STOPPING_SIGNALS:
@@ -88,6 +90,7 @@ def _grading_process_setup(threads: int) -> None:
     # A process of the pool ends in os._exit, which skips atexit (and the interpreter's teardown, a
     # second of torch's and triton's) but runs multiprocessing's finalizers: its fork server stops there.
     multiprocessing.util.Finalize(None, sandbox.close_fork_server, exitpriority=0)
+    sandbox.use_zygote(zygote)
     start_sandbox()
 
 
@@ -341,7 +344,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
             workers = min(jobs, len(tasks))
             pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
                                        initializer=_grading_process_setup,
-                                       initargs=(max(1, len(os.sched_getaffinity(0)) // workers),))
+                                       initargs=(max(1, len(os.sched_getaffinity(0)) // workers),
+                                                 sandbox.zygote_requests()))
             shared = ExercisesShared(tasks)
             futures: dict = {}  # one notebook per process at a time: the process that finished one takes the next
 

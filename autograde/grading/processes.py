@@ -40,12 +40,18 @@ def start() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def will_grade(argv: list[str]) -> bool:
+    """Whether `python -m autograde <argv>` will grade a notebook or a folder: a guess from the command
+    line, made before argparse can be (its parser needs the heavy imports). A wrong guess costs only
+    time: a zygote or forkserver started for nothing, whose imports take a core of their own."""
+    return argv[:1] == ["grade"] and any(os.path.exists(argument) for argument in argv[1:]
+                                         if not argument.startswith("-"))
+
+
 def worth_starting_early(argv: list[str]) -> bool:
-    """Whether `python -m autograde <argv>` will grade a folder with several jobs: a guess from the
-    command line, made before argparse can be (its parser needs the heavy imports). A wrong guess
-    costs only time: a forkserver started for nothing, whose imports take a core of their own, or
-    one started later, by `context`."""
-    if argv[:1] != ["grade"]:
+    """Whether `python -m autograde <argv>` will grade a folder with several jobs, guessed as
+    `will_grade` guesses; where the guess is wrong, a forkserver is started later, by `context`."""
+    if not will_grade(argv):
         return False
     jobs = os.cpu_count() or 1
     for index, argument in enumerate(argv):

@@ -27,6 +27,9 @@ import itertools
 import json
 import os
 import secrets
+import select
+import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -40,9 +43,10 @@ from autograde.sandbox import cgroups, isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 # The signals that stop a run are the grader's to act on (server.py), from before the server imports torch.
-_START_SERVER = ("import signal, sys; [signal.signal(s, signal.SIG_IGN) for s in "
-                 "(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]; "
-                 "sys.path.insert(0, sys.argv[1]); from autograde.sandbox.server import serve; serve()")
+_IGNORE_STOPPING_SIGNALS = ("import signal, sys; [signal.signal(s, signal.SIG_IGN) for s in "
+                            "(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]; sys.path.insert(0, sys.argv[1]); ")
+_START_SERVER = _IGNORE_STOPPING_SIGNALS + "from autograde.sandbox.server import serve; serve()"
+_START_ZYGOTE = _IGNORE_STOPPING_SIGNALS + "from autograde.sandbox.zygote import main; main(int(sys.argv[2]))"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
 UID_BLOCK, UID_BLOCKS = 4096, 500_000  # up to FIRST_UID + 2**31: still below the largest uid, 2**32 - 2
@@ -213,19 +217,105 @@ class ForkServerError(RuntimeError):
     pass
 
 
-class ForkServer:
-    """The warm interpreter; `run` may be called from several threads at once."""
+def _shared_environment() -> dict[str, str]:
+    """What every fork server of this run is started with, whether alone or from the zygote."""
+    return scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **gpu_environment()})
+
+
+def _own_environment() -> dict[str, str]:
+    """What a fork server needs set before triton loads (the exercises' variables), and whether
+    this run was given a delegated cgroup: known only once the run has imported the exercises and
+    read its options, so given to each server as it starts, after the zygote's imports."""
+    from autograde.registry import EXERCISES
+
+    needed = {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
+    return {**needed, **_declared_delegation()}
+
+
+class Zygote:
+    """The run's zygote (`zygote.py`), the interpreter each of its fork servers is forked from,
+    started before the run's own imports. `requests` is the run's end of its socket: a process that
+    holds it (`use_zygote`; a grading process is given a copy as it starts) has its fork server
+    forked there."""
 
     def __init__(self):
-        from autograde.registry import EXERCISES  # what the exercises need set before torch and triton load
+        self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-c", _START_ZYGOTE, str(ROOT), str(theirs.fileno())], cwd="/",
+                env=_shared_environment(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
 
-        needed = {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
+    def close(self) -> None:
+        """Close the run's end; the zygote ends once its servers have (each when its requests close)."""
+        self.requests.close()
+        try:
+            self.process.wait(timeout=SERVER_GRACE)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class _Forked:
+    """A fork server that the zygote forked, as `subprocess.Popen` would show it: not a child of this
+    process, so watched through a pidfd, from its pid in its first line (`ready`)."""
+
+    def __init__(self, stdin: BinaryIO, stdout: BinaryIO):
+        self.stdin, self.stdout = stdin, stdout
+        self.pid: int | None = None
+        self._pidfd: int | None = None
+        self.returncode: int | None = None
+
+    def adopt(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # it ended at once
+            self.returncode = 0
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+            self.returncode = 0  # it has ended; its status is the zygote's to reap
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None and self._pidfd is not None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("fork server", timeout)
+        self.returncode = 0
+        return 0
+
+    def kill(self) -> None:
+        if self.poll() is None and self._pidfd is not None:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+def _forked_by_zygote(requests: socket.socket, log: BinaryIO) -> _Forked | None:
+    """A fork server forked by the zygote, given its stdin, stdout and stderr with the request; None
+    where the zygote has gone (a server is then started alone)."""
+    server_in, requests_out = os.pipe()
+    replies_in, server_out = os.pipe()
+    try:
+        socket.send_fds(requests, [json.dumps(_own_environment()).encode()], [server_in, server_out, log.fileno()])
+    except OSError:
+        os.close(requests_out)
+        os.close(replies_in)
+        return None
+    finally:
+        os.close(server_in)
+        os.close(server_out)
+    return _Forked(os.fdopen(requests_out, "wb"), os.fdopen(replies_in, "rb"))
+
+
+class ForkServer:
+    """The warm interpreter, forked from the run's zygote where this process was given one
+    (`use_zygote`), else started alone; `run` may be called from several threads at once."""
+
+    def __init__(self):
         self._log = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(
+        forked = _forked_by_zygote(_zygote_requests, self._log) if _zygote_requests is not None else None
+        self._process = forked or subprocess.Popen(
             [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
-            env=scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **gpu_environment(),
-                                                      **needed, **_declared_delegation()}),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**_shared_environment(), **_own_environment()}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True,
         )
         self._lock = threading.Lock()
@@ -235,7 +325,10 @@ class ForkServer:
         first = self._process.stdout.readline()
         if not first.startswith(b'{"ready"'):
             raise ForkServerError(f"the fork server did not start: {self._stderr_tail()}")
-        self._mounts_scratch = json.loads(first).get("mounts") is True
+        started = json.loads(first)
+        if forked:
+            forked.adopt(started["ready"])
+        self._mounts_scratch = started.get("mounts") is True
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     def _stderr_tail(self) -> str:
@@ -376,6 +469,32 @@ def available_isolation() -> str:
 
 _shared: ForkServer | None = None
 _shared_lock = threading.Lock()
+_zygote_requests: socket.socket | None = None  # where this process's fork server is forked, if anywhere
+
+
+def start_zygote() -> Zygote | None:
+    """Start the run's zygote, and fork this process's server there; it is closed at exit, after
+    that server. None where a server forked there could not be watched from here (no pidfd: Linux
+    before 5.3) or the zygote could not start: servers are then started alone."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        zygote = Zygote()
+    except (AttributeError, OSError):
+        return None
+    atexit.register(zygote.close)  # registered before any server's close, so it runs after them
+    use_zygote(zygote.requests)
+    return zygote
+
+
+def zygote_requests() -> socket.socket | None:
+    return _zygote_requests
+
+
+def use_zygote(requests: socket.socket | None) -> None:
+    """Fork this process's fork server from the zygote whose socket `requests` is (a grading process
+    is given it by the run); None: start it alone."""
+    global _zygote_requests
+    _zygote_requests = requests
 
 
 def fork_server() -> ForkServer:

@@ -1,0 +1,74 @@
+"""One warm interpreter per run from which each fork server is forked: torch imported once, not
+once per grading process.
+
+Started by `client.start_zygote` before the run's own imports (they then take a core each), with
+the environment that every fork server of the run shares (`client.scrubbed_environment`, the
+GPU's variables), and `python -I`, as a fork server alone is. It imports numpy and torch, which
+read nothing else of a server's environment, and nothing of any submission; it computes nothing.
+
+Each request on its socket (SOCK_SEQPACKET; the descriptor of its end is an argument; the other
+end is held by the run's own processes only) is one message: a JSON object of the server's own
+variables (what the exercises need set before triton loads; a delegated cgroup), with the server's
+stdin, stdout and stderr as descriptors. The zygote forks; the child, in a session of its own,
+takes those as 0, 1 and 2 and becomes a fork server (`server.serve`), as if it had been started
+alone. A server ends when its requests close: when its grading process ends, however it ends. The
+zygote dies with the run's process; once every holder of the socket's other end has closed it, it
+waits for its servers (so that their CPU time counts as the run's children's) and ends.
+"""
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+import numpy  # noqa: F401
+import numpy.random  # noqa: F401
+import torch  # noqa: F401
+
+from autograde.sandbox import isolation
+
+DESCRIPTORS = 3  # the server's stdin, stdout and stderr
+
+
+def _become_server(requests: socket.socket, message: bytes, descriptors: list[int]) -> None:
+    requests.close()
+    os.setsid()
+    for target, descriptor in enumerate(descriptors):
+        os.dup2(descriptor, target)
+        os.close(descriptor)
+    try:
+        os.environ.update(json.loads(message))
+        from autograde.sandbox.server import serve  # triton loads here, with the server's variables set
+
+        serve()
+    except BaseException:  # noqa: BLE001 - said on the server's stderr, which its grader reads
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+def _reap(block: bool) -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main(requests_descriptor: int) -> None:
+    isolation.die_with_parent()
+    requests = socket.socket(fileno=requests_descriptor)
+    while True:
+        message, descriptors, _, _ = socket.recv_fds(requests, 65536, DESCRIPTORS)
+        if not message:  # every holder of the other end has closed it: the run is over
+            break
+        if len(descriptors) == DESCRIPTORS and os.fork() == 0:
+            _become_server(requests, message, descriptors)
+        for descriptor in descriptors:
+            os.close(descriptor)
+        _reap(block=False)
+    _reap(block=True)
+    os._exit(0)
