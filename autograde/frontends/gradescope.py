@@ -32,11 +32,16 @@ import time
 import zipfile
 from pathlib import Path
 
-from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed
-from autograde.grading import grade, report
-from autograde.registry import EXERCISES
-from autograde.submission import notebook
-from autograde.submission.locate import Found, find_all
+from autograde.sandbox import client as sandbox
+
+if __name__ == "__main__" and sys.argv[1:2] == ["grade"]:
+    sandbox.start_zygote()  # the fork server's imports beside this process's, not after them
+
+from autograde.frontends.nbgrader import SEED_VARIABLE, choose_seed  # noqa: E402
+from autograde.grading import grade, report  # noqa: E402
+from autograde.registry import EXERCISES  # noqa: E402
+from autograde.submission import notebook  # noqa: E402
+from autograde.submission.locate import Found, find_all  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1]  # autograde/
 COURSE = PACKAGE.parent  # the course's folder; in the container, /autograder/source
