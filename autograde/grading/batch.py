@@ -284,10 +284,11 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     exercises are chosen from the whole class, so that every shard grades the same ones.
 
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
-    in as many grading processes (trusted: they run the tests, each with its own fork server),
-    which share the exercises out (`ExercisesShared`). `meanwhile` runs once, when the last notebook
-    has been handed out, on the core that the first process to find nothing left gives back (the
-    command imports what it writes the reports with).
+    in as many grading processes (trusted: they run the tests, each with its own fork server, forked
+    from the run's zygote where the command started one), which share the exercises out
+    (`ExercisesShared`). `meanwhile` runs once, when the last notebook has been handed out, on the
+    core that the first process to find nothing left gives back (the command imports what it
+    writes the reports with).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
