@@ -55,8 +55,10 @@ def ended(pid: int) -> bool:
     return found is None or found[2] in ("Z", "X")
 
 
-def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zygote, monkeypatch):
-    exercise = registry.get("sdpa")
+# flash_triton: its variables (TRITON_INTERPRET here) reach the server after the zygote's imports.
+@pytest.mark.parametrize("exercise_id", ["sdpa", "flash_triton"])
+def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zygote, monkeypatch, exercise_id):
+    exercise = registry.get(exercise_id)
     cells = [(cell.number, cell.source) for cell in extract.code_cells(learner_notebook(exercise.id))]
     monkeypatch.setattr(sandbox, "_shared", None)  # this test's own server; the session's comes back after
     monkeypatch.setattr(sandbox, "_zygote_requests", zygote.requests)
