@@ -1,7 +1,8 @@
 """Run the worker on a submission in an isolated, limited process tree.
 
 A `ForkServer` is one warm interpreter (`server.py`, started with `python -I` and a
-scrubbed environment) that has imported torch once; every submission is a process tree
+scrubbed environment, or forked from the run's zygote, `zygote.py`, which was) that has imported
+torch once; every submission is a process tree
 forked from it, isolated and limited as that module describes: resource limits (CPU time,
 address space, file size, open files, processes), a wall-clock limit, and at the end the
 whole tree killed. Running as root, each tree also gets new PID, mount, network and IPC
