@@ -6,10 +6,9 @@ from autograde.grading import processes
 from autograde.sandbox import client as sandbox
 
 if __name__ == "__main__" and processes.will_grade(sys.argv[1:]):
-    # The fork servers' imports, once for the run, and the grading processes' beside this process's.
-    sandbox.start_zygote()
-    if processes.worth_starting_early(sys.argv[1:]):
-        processes.start()
+    sandbox.start_zygote()  # the fork servers' imports, once for the run, beside this process's
+    if processes.will_grade_in_processes(sys.argv[1:]):
+        processes.without_blas_threads()  # one thread, so that the grading processes are forked from here
 
 from autograde.frontends.cli import main  # noqa: E402  (after the start above, on purpose)
 
@@ -17,7 +16,6 @@ if __name__ == "__main__":
     code = main()
     # Everything the command wrote is closed: atexit's handlers run (a fork server's close among them),
     # then the interpreter's teardown, most of a second of torch's and triton's modules, is skipped.
-    processes.stop()  # where it was started early for a run that needed none
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from autograde import registry
-from autograde.grading import processes
 from autograde.grading.sandboxed import SandboxedSubmission
 from autograde.grading.session import Session
 from autograde.sandbox import client as sandbox
@@ -109,10 +108,3 @@ def test_the_zygote_ends_once_the_run_closes_its_end_after_its_servers(zygote, m
     zygote.close()
     assert zygote.process.returncode == 0 and ended(server._process.pid)
 
-
-def test_a_command_that_grades_starts_the_zygote_and_others_do_not(tmp_path: Path):
-    assert processes.will_grade(["grade", str(tmp_path), "--jobs", "2"])
-    assert processes.will_grade(["grade", "--out", "grades", str(tmp_path)])
-    assert not processes.will_grade(["grade", "--help"])
-    assert not processes.will_grade(["merge", str(tmp_path)])
-    assert not processes.worth_starting_early(["grade", str(tmp_path), "--jobs", "1"])

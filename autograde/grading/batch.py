@@ -77,7 +77,7 @@ def _stop_if_interrupted() -> None:
 
 def _grading_process_setup(threads: int, zygote: socket.socket | None) -> None:
     """A grading process of the pool dies with the run, and leaves signals to it (see above: it begins
-    with them blocked, `processes.start`, and ignores them before it lets them in); its fork server
+    with them blocked, `processes.signals_blocked`, and ignores them before it lets them in); its fork server
     inherits the ignored signals, and is forked from the run's zygote where there is one. Its share
     of the cores: torch's default, a thread per core in each of `--jobs` processes, keeps threads
     spinning for cores that the others hold."""
@@ -329,58 +329,61 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.set_postfix_str(_duration(clock.left(remaining)), refresh=False)
         bar.update()
 
-    # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
-    with tqdm(total=len(tasks), unit="notebook", disable=not progress, postfix=STARTING,
-              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
-        if jobs <= 1 or len(tasks) <= 1:
-            if tasks:
-                start_sandbox()
-            for student, exercise in tasks:
-                _stop_if_interrupted()
-                grade = grade_one(submitted, student, exercise, seed, limits, twins.get(student))
-                record(student, grade)
-                finished(bar, grade, student)
-        else:
-            # Each grading process dies with this one (SIGKILL included), and its fork server with it.
-            workers = min(jobs, len(tasks))
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
-                                       initializer=_grading_process_setup,
-                                       initargs=(max(1, len(os.sched_getaffinity(0)) // workers),
-                                                 sandbox.zygote_requests()))
-            shared = ExercisesShared(tasks)
-            futures: dict = {}  # one notebook per process at a time: the process that finished one takes the next
+    workers = min(jobs, len(tasks))
+    pool, futures, shared = None, {}, ExercisesShared(tasks)  # one notebook per process at a time
+    if workers > 1:
+        # Each grading process dies with this one (SIGKILL included), and its fork server with it.
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
+                                   initializer=_grading_process_setup,
+                                   initargs=(max(1, len(os.sched_getaffinity(0)) // workers),
+                                             sandbox.zygote_requests()))
 
-            def submit(task: Task) -> None:
-                student, exercise = task
-                futures[pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
-                                    twins.get(student))] = student
+    def submit(task: Task) -> None:
+        student, exercise = task
+        futures[pool.submit(_grade_in_grading_process, submitted, student, exercise.id, seed, limits,
+                            twins.get(student))] = student
 
-            try:
-                for task in shared.first(workers):
+    try:
+        if pool is not None:
+            with processes.signals_blocked():  # the pool forks its processes at the first notebook,
+                for task in shared.first(workers):  # before the progress bar starts a thread (`processes`)
                     submit(task)
-                while futures:
-                    finished_now, _ = wait(futures, return_when=FIRST_COMPLETED)
-                    for future in finished_now:
-                        student = futures.pop(future)
-                        grader, row = future.result()
-                        grade = from_json(row)
-                        record(student, grade)
-                        finished(bar, grade, student)
-                        following = shared.done(grader, grade.exercise.id)
-                        if following:
-                            submit(following)
-                        elif meanwhile is not None:
-                            with contextlib.suppress(Exception):  # met again where its work is needed
-                                meanwhile()
-                            meanwhile = None
+        # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
+        with tqdm(total=len(tasks), unit="notebook", disable=not progress, postfix=STARTING,
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
+            if pool is None and tasks:
+                start_sandbox()
+                for student, exercise in tasks:
+                    _stop_if_interrupted()
+                    grade = grade_one(submitted, student, exercise, seed, limits, twins.get(student))
+                    record(student, grade)
+                    finished(bar, grade, student)
+            while futures:  # the process that finished a notebook takes the next
+                finished_now, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in finished_now:
+                    student = futures.pop(future)
+                    grader, row = future.result()
+                    grade = from_json(row)
+                    record(student, grade)
+                    finished(bar, grade, student)
+                    following = shared.done(grader, grade.exercise.id)
+                    if following:
+                        submit(following)
+                    elif meanwhile is not None:
+                        with contextlib.suppress(Exception):  # met again where its work is needed
+                            meanwhile()
+                        meanwhile = None
+            if pool is not None:
                 bar.set_postfix_str(STOPPING)
-            except BaseException:
-                for process in list(getattr(pool, "_processes", {}).values()):
-                    process.kill()  # its fork server, and what that runs, die with it
-                pool.shutdown(wait=False, cancel_futures=True)
-                processes.stop()
-                _stop_if_interrupted()  # a grading process that a signal ended first breaks the pool
-                raise
-            pool.shutdown()
+    except BaseException:
+        if pool is not None:
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.kill()  # its fork server, and what that runs, die with it
+            pool.shutdown(wait=False, cancel_futures=True)
             processes.stop()
+            _stop_if_interrupted()  # a grading process that a signal ended first breaks the pool
+        raise
+    if pool is not None:
+        pool.shutdown()
+        processes.stop()
     return [(student, grades[student, e.id]) for student in students for e in chosen]
