@@ -11,8 +11,8 @@ in a test or whatever else calls `batch.grade_all` from its own process, the for
 interpreter that computes nothing, imports them once (`PRELOADED`) and forks each grading process.
 
 Only the standard library is imported here, so that `python -m autograde grade` can prepare before
-its own imports: it starts the forkserver only where it cannot fork (each then takes a core), and
-imports numpy without OpenBLAS's thread pool (`without_blas_threads`), the one thread it would hold.
+its own imports: it imports numpy without OpenBLAS's thread pool (`without_blas_threads`), the one
+thread its imports would otherwise start.
 """
 
 from __future__ import annotations
