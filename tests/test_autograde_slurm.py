@@ -308,7 +308,10 @@ def test_the_recipe_on_a_real_slurm_merges_to_one_run_and_a_requeued_task_change
         time.sleep(0.5)
     recorded = _recorded(out / "shard-2")
     assert slow not in recorded  # stopped mid-notebook: not recorded, neither as crashed nor as 0
-    # a requeued job waits a while before it may start again
+    # A requeued job waits a while before it may start again; started at once, it must not start in
+    # the second its first run was killed: slurmd compares a job's credentials with the time it
+    # revoked them to the second, and refuses a launch in that second ("Job credential revoked").
+    time.sleep(1.1)
     cluster.run("scontrol", "update", f"jobid={rerun}_2", "starttime=now", check=False)
     assert cluster.wait_until_done(f"{rerun}_2") == "COMPLETED"
     log = (out / f"autograde-{rerun}_2.log").read_text(errors="replace")
