@@ -10,9 +10,9 @@ on more than one thread (GNU OpenMP keeps a team whose threads the fork did not 
 in a test or whatever else calls `batch.grade_all` from its own process, the forkserver, a fresh
 interpreter that computes nothing, imports them once (`PRELOADED`) and forks each grading process.
 
-Only the standard library is imported here, so that `python -m autograde grade` can prepare before
-its own imports: it imports numpy without OpenBLAS's thread pool (`without_blas_threads`), the one
-thread its imports would otherwise start.
+Only the standard library is imported here (and `isolation`, which imports nothing more), so that
+`python -m autograde grade` can prepare before its own imports: it imports numpy without OpenBLAS's
+thread pool (`without_blas_threads`), the one thread its imports would otherwise start.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import multiprocessing.forkserver
 import os
 import signal
 from collections.abc import Iterator
+
+from autograde.sandbox import isolation
 
 PRELOADED = ["autograde.grading.forkserver"]  # what a grading process runs, and the forkserver's end with the run
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -40,10 +42,10 @@ def context() -> multiprocessing.context.BaseContext:
 
 
 def one_thread() -> bool:
-    """Whether this process holds a single thread, so that nothing another thread holds, and no
-    OpenMP team, is copied half-way by a fork (Linux's /proc; elsewhere, never assumed)."""
+    """Whether this process holds a single thread (`isolation.thread_names`; never assumed where
+    /proc cannot say), so that a fork copies nothing half-way."""
     try:
-        return len(os.listdir("/proc/self/task")) == 1
+        return len(isolation.thread_names()) == 1
     except OSError:
         return False
 

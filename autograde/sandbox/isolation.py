@@ -80,6 +80,13 @@ def prctl(option: int, value: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0), "prctl")
 
 
+def thread_names() -> list[str]:
+    """The names of this process's threads (Linux's /proc; OSError elsewhere). A process that forks
+    holding more than one copies, half-way, whatever the others hold: a lock, an OpenMP team."""
+    tasks = Path("/proc/self/task")
+    return [(tasks / tid / "comm").read_text().strip() for tid in os.listdir(tasks)]
+
+
 def die_with_parent() -> None:
     prctl(PR_SET_PDEATHSIG, 9)
 

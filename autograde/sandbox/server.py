@@ -485,10 +485,10 @@ def _start(request: dict, running: dict[int, tuple[str, int]]) -> None:
             if ident == request["kill"]:
                 os.kill(pid, signal.SIGKILL)
         return
-    threads = os.listdir("/proc/self/task")
+    threads = isolation.thread_names()
     if len(threads) != 1:
-        names = sorted(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in threads)
-        raise RuntimeError(f"the fork server has started a thread; forking now would be unsafe ({', '.join(names)})")
+        raise RuntimeError(f"the fork server has started a thread; forking now would be unsafe "
+                           f"({', '.join(sorted(threads))})")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
