@@ -101,17 +101,21 @@ def rolled(functions, inputs: Inputs) -> dict:
 
 @adapter
 def filled(functions, inputs: Inputs) -> dict:
-    """A cache of the case's size fed `appends` chunks of `chunk` tokens of keys and values drawn here, from
+    """A cache of the case's size fed `appends` chunks of `chunk` tokens of keys and values made here, from
     the case's `seed` (many windows of tokens: more than the grader sends), in float32; the sandbox measures
-    from outside how far the memory of the learner's processes rose meanwhile. Values are others' business."""
-    batch, kv_heads, head_dim = inputs["batch"], inputs["kv_heads"], inputs["head_dim"]
+    from outside how far the memory of the learner's processes rose meanwhile. Values are others' business:
+    a key and a value per head are drawn, and each token's is that scaled by its position, in new memory
+    for every chunk (a draw per chunk took half of the call's time)."""
+    batch, kv_heads, head_dim, chunk = inputs["batch"], inputs["kv_heads"], inputs["head_dim"], inputs["chunk"]
     cache = functions.RollingKVCache(batch, kv_heads, inputs["window"], head_dim, sinks=inputs["sinks"],
                                      dtype=torch.float32)
     generator = torch.Generator().manual_seed(inputs["seed"])
-    shape = (batch, kv_heads, inputs["chunk"], head_dim)
-    for _ in range(inputs["appends"]):
-        cache.append(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    return {"tokens appended": inputs["appends"] * inputs["chunk"]}
+    key, value = (torch.randn(batch, kv_heads, 1, head_dim, generator=generator) for _ in range(2))
+    tokens = inputs["appends"] * chunk
+    for start in range(0, tokens, chunk):
+        scale = 1 + torch.arange(start, start + chunk, dtype=torch.float32).unsqueeze(-1) / tokens
+        cache.append(key * scale, value * scale)
+    return {"tokens appended": tokens}
 
 
 EXERCISE = Exercise(
