@@ -81,7 +81,7 @@ def test_others_are_unaffected(grades):
 
 
 def test_what_the_run_does_meanwhile_runs_once_and_its_failure_stops_no_grade(grades):
-    """`meanwhile` (the command imports matplotlib there) runs once the last notebook is handed out;
+    """`meanwhile` (the command imports matplotlib there) runs once, beside the grading;
     if it fails, every notebook is still graded and recorded."""
     assert MEANWHILE == [0]
     assert set(grades) == set(SUBMISSIONS) and all(g.status for g in grades.values())

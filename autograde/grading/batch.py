@@ -21,6 +21,7 @@ import signal
 import socket
 import sqlite3
 import sys
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict, deque
@@ -92,6 +93,11 @@ def _grading_process_setup(threads: int, zygote: socket.socket | None) -> None:
     multiprocessing.util.Finalize(None, sandbox.close_fork_server, exitpriority=0)
     sandbox.use_zygote(zygote)
     start_sandbox()
+
+
+def _quietly(work: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):  # met again where its work is needed
+        work()
 
 
 def start_sandbox() -> None:
@@ -286,9 +292,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
     in as many grading processes (trusted: they run the tests, each with its own fork server, forked
     from the run's zygote where the command started one), which share the exercises out
-    (`ExercisesShared`). `meanwhile` runs once, when the last notebook has been handed out, on the
-    core that the first process to find nothing left gives back (the command imports what it
-    writes the reports with).
+    (`ExercisesShared`). `meanwhile` runs once, in a thread of this process beside the grading (the
+    command imports what it writes the reports with, half a second that lay on the run's end when it
+    waited for the first process to find nothing left and the last two notebooks ended together).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
@@ -330,7 +336,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.update()
 
     workers = min(jobs, len(tasks))
-    pool, futures, shared = None, {}, ExercisesShared(tasks)  # one notebook per process at a time
+    pool, futures, shared, beside = None, {}, ExercisesShared(tasks), None  # one notebook per process at a time
     if workers > 1:
         # Each grading process dies with this one (SIGKILL included), and its fork server with it.
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
@@ -348,6 +354,9 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
             with processes.signals_blocked():  # the pool forks its processes at the first notebook,
                 for task in shared.first(workers):  # before the progress bar starts a thread (`processes`)
                     submit(task)
+            if meanwhile is not None:  # a thread now that the pool's processes are forked
+                beside = threading.Thread(target=_quietly, args=(meanwhile,), daemon=True)
+                beside.start()
         # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
         with tqdm(total=len(tasks), unit="notebook", disable=not progress, postfix=STARTING,
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
@@ -369,10 +378,6 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                     following = shared.done(grader, grade.exercise.id)
                     if following:
                         submit(following)
-                    elif meanwhile is not None:
-                        with contextlib.suppress(Exception):  # met again where its work is needed
-                            meanwhile()
-                        meanwhile = None
             if pool is not None:
                 bar.set_postfix_str(STOPPING)
     except BaseException:
@@ -386,4 +391,6 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     if pool is not None:
         pool.shutdown()
         processes.stop()
+    if beside is not None:
+        beside.join()
     return [(student, grades[student, e.id]) for student in students for e in chosen]

@@ -38,7 +38,7 @@ def _figure_tag(figure, alt: str) -> str:
 
 def plotting():
     """matplotlib's pyplot, drawing without a display (none where instructors grade). Its import takes
-    half a second: a run imports it while its last notebooks are graded (`batch.grade_all`)."""
+    half a second: a run imports it while its notebooks are graded (`batch.grade_all`)."""
     import matplotlib
 
     matplotlib.use("Agg")
