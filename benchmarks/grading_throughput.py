@@ -13,7 +13,12 @@ as released). Then, one after the other in the same run, it times
 1. the course's grader, `python -m autograde grade <submitted> --seed S --jobs N`;
 2. nbgrader as a course runs it: `generate_assignment`, then `autograde --force` (its default,
    one notebook after the other), for each assignment, with `AUTOGRADE_SEED=S` so that its
-   hidden tests draw the same inputs.
+   hidden tests draw the same inputs;
+3. the grader again on the notebooks nbgrader graded, so that the grader's runs bracket
+   nbgrader's minutes: the ratio is nbgrader's time over the mean of the grader's two, and a
+   machine whose speed drifts during the run (this one's has moved by a third within an hour)
+   moves it less than it moves a ratio to one run timed before. Both runs must give the same
+   points.
 
 With `--nbgrader-students K`, nbgrader grades only the first K students (it takes about 20 times
 longer per notebook), and the grader grades them again on their own, so that the ratio compares
@@ -276,7 +281,8 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
         "autograde_seconds": ours_seconds, "autograde_seconds_per_notebook": ours_seconds / notebooks,
         "autograde_cpu_seconds": ours_cpu, "scaling": None, "scaling_points_that_differ": None, "per_exercise": None,
         "nbgrader_students": subset_students, "nbgrader_notebooks": None, "autograde_subset_seconds": None,
-        "autograde_subset_cpu_seconds": None, "nbgrader_seconds": None, "nbgrader_cpu_seconds": None,
+        "autograde_subset_cpu_seconds": None, "autograde_after_seconds": None, "autograde_after_cpu_seconds": None,
+        "nbgrader_seconds": None, "nbgrader_cpu_seconds": None,
         "nbgrader_seconds_per_notebook": None, "nbgrader_over_autograde": None, "nbgrader_over_autograde_cpu": None,
         "grades": None, "disagreements": None,
     }
@@ -295,7 +301,7 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
                                   for exercise in exercises_of(assignments)]
     if skip_nbgrader:
         return report
-    subset, subset_seconds, subset_cpu = submissions, ours_seconds, ours_cpu
+    subset, subset_seconds, subset_cpu, subset_points = submissions, ours_seconds, ours_cpu, ours
     if subset_students < students:
         names = sorted({s.student for s in submissions})[:subset_students]
         subset = [s for s in submissions if s.student in names]
@@ -308,12 +314,17 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
             raise RuntimeError("the grader gave the subset other points than the whole class")
     nbgrader_seconds, nbgrader_cpu, theirs = grade_with_nbgrader(submitted, folder / "course", assignments, seed,
                                                                  subset)
+    after_seconds, after_cpu, after_points = grade_with_autograde(submitted, folder / "grades-after", seed, jobs)
+    if after_points != subset_points:
+        raise RuntimeError("the grader gave other points after nbgrader than before it")
+    compared_seconds, compared_cpu = (subset_seconds + after_seconds) / 2, (subset_cpu + after_cpu) / 2
     grades = points_side_by_side(subset, ours, theirs)
     report.update(nbgrader_notebooks=len(subset), autograde_subset_seconds=subset_seconds,
-                  autograde_subset_cpu_seconds=subset_cpu, nbgrader_seconds=nbgrader_seconds,
+                  autograde_subset_cpu_seconds=subset_cpu, autograde_after_seconds=after_seconds,
+                  autograde_after_cpu_seconds=after_cpu, nbgrader_seconds=nbgrader_seconds,
                   nbgrader_cpu_seconds=nbgrader_cpu, nbgrader_seconds_per_notebook=nbgrader_seconds / len(subset),
-                  nbgrader_over_autograde=nbgrader_seconds / subset_seconds,
-                  nbgrader_over_autograde_cpu=nbgrader_cpu / subset_cpu,
+                  nbgrader_over_autograde=nbgrader_seconds / compared_seconds,
+                  nbgrader_over_autograde_cpu=nbgrader_cpu / compared_cpu,
                   grades=grades, disagreements=[row for row in grades if not row["agree"]])
     return report
 
@@ -345,9 +356,11 @@ def markdown(report: dict) -> str:
             f"| `nbgrader generate_assignment` + `autograde` (sequential), {compared} | "
             f"{report['nbgrader_seconds']:.1f} | {report['nbgrader_seconds_per_notebook']:.2f} "
             f"| {report['nbgrader_cpu_seconds']:.1f} |",
+            f"| the grader again after nbgrader, {compared} | {report['autograde_after_seconds']:.1f} "
+            f"| {report['autograde_after_seconds'] / subset:.2f} | {report['autograde_after_cpu_seconds']:.1f} |",
             "",
-            f"nbgrader / autograde on {compared}: {report['nbgrader_over_autograde']:.2f}x "
-            f"(CPU seconds: {report['nbgrader_over_autograde_cpu']:.2f}x)",
+            f"nbgrader / autograde on {compared}, the grader's two runs' mean: "
+            f"{report['nbgrader_over_autograde']:.2f}x (CPU seconds: {report['nbgrader_over_autograde_cpu']:.2f}x)",
             f"points that differ: {len(found)} of {subset} (student, exercise) pairs",
         ]
         lines += [f"  - {d['student']} {d['exercise']} ({d['submission']}): autograde {d['autograde']}, "
