@@ -16,7 +16,7 @@ as released). Then, one after the other in the same run, it times
    hidden tests draw the same inputs;
 3. the grader again on the notebooks nbgrader graded, so that the grader's runs bracket
    nbgrader's minutes: the ratio is nbgrader's time over the mean of the grader's two, and a
-   machine whose speed drifts during the run (this one's has moved by a third within an hour)
+   machine whose speed drifts during the run (a shared one's can move by a third within an hour)
    moves it less than it moves a ratio to one run timed before. Both runs must give the same
    points.
 
@@ -266,7 +266,8 @@ def run_benchmark(students: int, assignments: list[str], jobs: int, seed: int, s
                   folder: Path, nbgrader_students: int | None = None, scaling: bool = False,
                   per_exercise: int = 0) -> dict:
     """Write the class under `folder`, grade it with the grader (also with `--jobs 1` if `scaling`),
-    then the first `nbgrader_students` (default: all) with both; with `per_exercise` N, each exercise's
+    then the first `nbgrader_students` (default: all) with both, and with the grader once more after
+    nbgrader; with `per_exercise` N, each exercise's
     cost per solution notebook on one core from N + 1 notebooks. Returns the report (plain data)."""
     machine = machine_description()  # before grading: the load average is then other people's
     submitted = folder / "submitted"
