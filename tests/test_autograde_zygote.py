@@ -1,6 +1,7 @@
 """The run's zygote (`autograde/sandbox/zygote.py`): each fork server of a run forked from one warm
 interpreter grades as a server started alone does, ends when the process that asked for it ends,
-however it ends, and where the zygote has gone a server is started alone."""
+however it ends, a request with other variables than the first gets a fresh interpreter, and where
+the zygote has gone a server is started alone."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def ended(pid: int) -> bool:
     return found is None or found[2] in ("Z", "X")
 
 
-# flash_triton: its variables (TRITON_INTERPRET here) reach the server after the zygote's imports.
+# flash_triton: its variables (TRITON_INTERPRET here) are set in the zygote before it loads triton.
 @pytest.mark.parametrize("exercise_id", ["sdpa", "flash_triton"])
 def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zygote, monkeypatch, exercise_id):
     exercise = registry.get(exercise_id)
@@ -73,6 +74,30 @@ def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zy
     finally:
         server.close()
     assert ended(server._process.pid) and not server.alive
+
+
+def test_a_request_with_other_variables_than_the_first_gets_a_fresh_server(zygote, monkeypatch):
+    """The zygote loaded triton with the first request's variables; a server asked for with others
+    is a new interpreter (started as one alone is), which grades as one."""
+    monkeypatch.setattr(sandbox, "_zygote_requests", zygote.requests)
+    first = sandbox.ForkServer()
+    first.close()
+    own = sandbox._own_environment
+    monkeypatch.setattr(sandbox, "_own_environment", lambda: {**own(), "AUTOGRADE_OTHER_RUN": "1"})
+    monkeypatch.setattr(sandbox, "_shared", None)  # this test's own server; the session's comes back after
+    exercise = registry.get("sdpa")
+    cells = [(cell.number, cell.source) for cell in extract.code_cells(learner_notebook(exercise.id))]
+    session = Session(exercise, lambda: SandboxedSubmission(exercise, cells, sandbox.Limits(wall_seconds=60)),
+                      hidden_seed=1)
+    session.run()
+    server = sandbox._shared
+    try:
+        command = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().split(b"\0")
+        assert sandbox.START_SERVER.encode() in command, command
+        assert parent_session_state(server._process.pid)[0] == zygote.process.pid
+        assert session.results and all(result.passed for result in session.results.values())
+    finally:
+        server.close()
 
 
 def test_a_server_ends_with_the_process_that_asked_for_it_however_it_ends(zygote):

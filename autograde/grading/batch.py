@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from autograde.cases import Exercise
 from autograde.grading import processes
-from autograde.grading.grade import CRASHED, INVALID, Grade, grade_notebook, not_run
+from autograde.grading.grade import CRASHED, INVALID, Grade, grade_notebook, not_run, prepare
 from autograde.grading.journal import Journal, fingerprint, from_json, to_json
 from autograde.grading.provenance import same_person, shard_of
 from autograde.registry import EXERCISES
@@ -336,6 +336,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         bar.update()
 
     workers = min(jobs, len(tasks))
+    prepare(chosen)
     pool, futures, shared, beside = None, {}, ExercisesShared(tasks), None  # one notebook per process at a time
     if workers > 1:
         # Each grading process dies with this one (SIGKILL included), and its fork server with it.

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autogra
 # The signals that stop a run are the grader's to act on (server.py), from before the server imports torch.
 _IGNORE_STOPPING_SIGNALS = ("import signal, sys; [signal.signal(s, signal.SIG_IGN) for s in "
                             "(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]; sys.path.insert(0, sys.argv[1]); ")
-_START_SERVER = _IGNORE_STOPPING_SIGNALS + "from autograde.sandbox.server import serve; serve()"
+START_SERVER = _IGNORE_STOPPING_SIGNALS + "from autograde.sandbox.server import serve; serve()"
 _START_ZYGOTE = _IGNORE_STOPPING_SIGNALS + "from autograde.sandbox.zygote import main; main(int(sys.argv[2]))"
 OUTPUT_TAIL = 1500
 FIRST_UID = 2_100_000_000  # the submissions' uids: far above any real account's
@@ -315,7 +315,7 @@ class ForkServer:
         self._log = tempfile.TemporaryFile()
         forked = _forked_by_zygote(_zygote_requests, self._log) if _zygote_requests is not None else None
         self._process = forked or subprocess.Popen(
-            [sys.executable, "-I", "-c", _START_SERVER, str(ROOT)], cwd="/",
+            [sys.executable, "-I", "-c", START_SERVER, str(ROOT)], cwd="/",
             env={**_shared_environment(), **_own_environment()}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True,
         )

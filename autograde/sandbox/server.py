@@ -1,7 +1,7 @@
 """A warm interpreter that forks one isolated process tree per submission.
 
 Started by each grading process's `sandbox.ForkServer`, alone or forked from the run's zygote
-(`zygote.py`, which has imported numpy and torch), it imports torch, numpy, triton and the
+(`zygote.py`, which has imported this module), it imports torch, numpy, triton and the
 grader's worker, and nothing of any submission. Each request (a JSON line on stdin) forks a
 *supervisor*, which isolates the submission in one of three ways (the reply says which):
 

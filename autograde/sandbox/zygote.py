@@ -9,13 +9,17 @@ read nothing else of a server's environment, and nothing of any submission; it c
 Each request on its socket (SOCK_SEQPACKET; the descriptor of its end is an argument; the other
 end is held by the run's own processes only) is one message: a JSON object of the server's own
 variables (what the exercises need set before triton loads; a delegated cgroup), with the server's
-stdin, stdout and stderr as descriptors. The zygote forks; the child, in a session of its own,
-takes those as 0, 1 and 2 and becomes a fork server (`server.serve`), as if it had been started
-alone. A server ends when its requests close: when its grading process ends, however it ends. The
-zygote dies with the run's process; once every holder of the socket's other end has closed it, it
-waits for its servers (so that their CPU time counts as the run's children's) and ends.
+stdin, stdout and stderr as descriptors. At the first, the zygote sets those variables and imports
+the server's modules, triton among them (0.3 s that each server paid after its fork); every server
+of a run asks with the same variables, and one that did not would be started afresh. The zygote
+forks; the child, in a session of its own, takes those as 0, 1 and 2 and becomes a fork server
+(`server.serve`), as if it had been started alone. A server ends when its requests close: when
+its grading process ends, however it ends. The zygote dies with the run's process; once every
+holder of the socket's other end has closed it, it waits for its servers (so that their CPU time
+counts as the run's children's) and ends.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -27,19 +31,35 @@ import numpy.random  # noqa: F401
 import torch  # noqa: F401
 
 from autograde.sandbox import isolation
+from autograde.sandbox.client import ROOT, START_SERVER
+
+_SHARED_ENVIRONMENT = dict(os.environ)  # what the run started it with, before any request's variables
 
 DESCRIPTORS = 3  # the server's stdin, stdout and stderr
 
 
-def _become_server(requests: socket.socket, message: bytes, descriptors: list[int]) -> None:
+def _load_server(message: bytes) -> None:
+    """The server's modules, with the first request's variables set: triton reads them as it loads.
+    Where that fails, each server fails to import them again, and says why on its stderr."""
+    os.environ.update(json.loads(message))
+    with contextlib.suppress(Exception):
+        import autograde.sandbox.server  # noqa: F401
+
+
+def _become_server(requests: socket.socket, message: bytes, descriptors: list[int], fresh: bool) -> None:
+    """`fresh`: the request's variables are not those the server's modules were loaded with, so a new
+    interpreter is started in this process's place, as a server started alone is."""
     requests.close()
     os.setsid()
     for target, descriptor in enumerate(descriptors):
         os.dup2(descriptor, target)
         os.close(descriptor)
     try:
+        if fresh:
+            os.execve(sys.executable, [sys.executable, "-I", "-c", START_SERVER, str(ROOT)],
+                      {**_SHARED_ENVIRONMENT, **json.loads(message)})
         os.environ.update(json.loads(message))
-        from autograde.sandbox.server import serve  # triton loads here, with the server's variables set
+        from autograde.sandbox.server import serve
 
         serve()
     except BaseException:  # noqa: BLE001 - said on the server's stderr, which its grader reads
@@ -61,12 +81,16 @@ def _reap(block: bool) -> None:
 def main(requests_descriptor: int) -> None:
     isolation.die_with_parent()
     requests = socket.socket(fileno=requests_descriptor)
+    loaded = None  # the request whose variables the server's modules were loaded with
     while True:
         message, descriptors, _, _ = socket.recv_fds(requests, 65536, DESCRIPTORS)
         if not message:  # every holder of the other end has closed it: the run is over
             break
+        if len(descriptors) == DESCRIPTORS and loaded is None:
+            _load_server(message)
+            loaded = message
         if len(descriptors) == DESCRIPTORS and os.fork() == 0:
-            _become_server(requests, message, descriptors)
+            _become_server(requests, message, descriptors, fresh=message != loaded)
         for descriptor in descriptors:
             os.close(descriptor)
         _reap(block=False)

@@ -45,7 +45,7 @@ HIDDEN_TESTS = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
 
 @functools.cache
-def _nbgrader():
+def nbgrader_helpers():
     """nbgrader's cell helpers (its module `nbgrader/utils.py`), loaded when a notebook is compared: a
     learner's kernel (Colab's, say) imports this module for `check()` without nbgrader installed. Loaded
     from its file, unless nbgrader is imported already: `import nbgrader` first loads the package's
@@ -203,7 +203,7 @@ def _compare(cell: _Cell, original: NotebookNode, source_format: bool = False) -
         now = cell.cell_type if cell.cell_type in CELL_TYPES else _describe(cell.cell_type)
         found.append(f"{name} was changed from {_article(original.cell_type)} cell to {_article(now)} cell")
     source = _without_hidden_tests(cell.source) if source_format else cell.source
-    if _nbgrader().is_locked(original) and source != original.source:
+    if nbgrader_helpers().is_locked(original) and source != original.source:
         found.append(f"{name} was changed{_first_difference(source, original.source)}")
     if forged:  # which `nbgrader validate` would take at its word
         found.append(f"{name} has its stored nbgrader checksum rewritten to match its changes")
@@ -235,13 +235,13 @@ def _roles(nbgrader: dict) -> NotebookNode:
 
 def _kind(nbgrader: dict) -> str:
     cell = _roles(nbgrader)
-    if _nbgrader().is_solution(cell):
-        return "graded answer cell" if _nbgrader().is_grade(cell) else "solution cell"
-    if _nbgrader().is_grade(cell):
+    if nbgrader_helpers().is_solution(cell):
+        return "graded answer cell" if nbgrader_helpers().is_grade(cell) else "solution cell"
+    if nbgrader_helpers().is_grade(cell):
         return "test cell"
-    if _nbgrader().is_task(cell):
+    if nbgrader_helpers().is_task(cell):
         return "task cell"
-    return "locked cell" if _nbgrader().is_locked(cell) else "ordinary cell"
+    return "locked cell" if nbgrader_helpers().is_locked(cell) else "ordinary cell"
 
 
 def _checksum(cell: _Cell) -> str | None:
@@ -252,13 +252,13 @@ def _checksum(cell: _Cell) -> str | None:
     view = _roles(ours)
     view.update(source=cell.source, cell_type=cell.cell_type)
     view.metadata.nbgrader.grade_id = cell.grade_id
-    if _nbgrader().is_grade(view):
+    if nbgrader_helpers().is_grade(view):
         points = ours.get("points")
         if isinstance(points, bool) or not isinstance(points, (int, float)) or abs(points) > 1e300:
             return None
         view.metadata.nbgrader.points = float(points)
     try:
-        return _nbgrader().compute_checksum(view)
+        return nbgrader_helpers().compute_checksum(view)
     except UnicodeEncodeError:  # lone surrogates, which JSON allows and UTF-8 does not
         return None
 
