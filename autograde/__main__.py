@@ -9,6 +9,7 @@ if __name__ == "__main__" and processes.will_grade(sys.argv[1:]):
     sandbox.start_zygote()  # the fork servers' imports, once for the run, beside this process's
     if processes.will_grade_in_processes(sys.argv[1:]):
         processes.without_blas_threads()  # one thread, so that the grading processes are forked from here
+    sandbox.zygote_load_servers()  # with the exercises imported (torch, most of this process's imports)
 
 from autograde.frontends.cli import main  # noqa: E402  (after the start above, on purpose)
 

@@ -55,13 +55,19 @@ def ended(pid: int) -> bool:
     return found is None or found[2] in ("Z", "X")
 
 
-# flash_triton: its variables (TRITON_INTERPRET here) are set in the zygote before it loads triton.
+# flash_triton: its variables (TRITON_INTERPRET here) are set in the zygote before it loads triton,
+# from the run's early message (`zygote_load_servers`, as `python -m autograde grade` sends it) or
+# from the first server's request.
+@pytest.mark.parametrize("told_early", [True, False])
 @pytest.mark.parametrize("exercise_id", ["sdpa", "flash_triton"])
-def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zygote, monkeypatch, exercise_id):
+def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zygote, monkeypatch, exercise_id,
+                                                                             told_early):
     exercise = registry.get(exercise_id)
     cells = [(cell.number, cell.source) for cell in extract.code_cells(learner_notebook(exercise.id))]
     monkeypatch.setattr(sandbox, "_shared", None)  # this test's own server; the session's comes back after
     monkeypatch.setattr(sandbox, "_zygote_requests", zygote.requests)
+    if told_early:
+        sandbox.zygote_load_servers()
     session = Session(exercise, lambda: SandboxedSubmission(exercise, cells, sandbox.Limits(wall_seconds=60)),
                       hidden_seed=1)
     session.run()
@@ -77,13 +83,13 @@ def test_a_server_forked_by_the_zygote_grades_a_notebook_as_one_started_alone(zy
 
 
 def test_a_request_with_other_variables_than_the_first_gets_a_fresh_server(zygote, monkeypatch):
-    """The zygote loaded triton with the first request's variables; a server asked for with others
-    is a new interpreter (started as one alone is), which grades as one."""
+    """The zygote loaded triton with the run's variables; a server asked for with others (here
+    TRITON_INTERPRET changed) is a new interpreter (started as one alone is), which grades as one."""
     monkeypatch.setattr(sandbox, "_zygote_requests", zygote.requests)
-    first = sandbox.ForkServer()
-    first.close()
-    own = sandbox._own_environment
-    monkeypatch.setattr(sandbox, "_own_environment", lambda: {**own(), "AUTOGRADE_OTHER_RUN": "1"})
+    sandbox.zygote_load_servers()
+    own = sandbox._own_environment()
+    other = {**own, "TRITON_INTERPRET": "0" if own["TRITON_INTERPRET"] == "1" else "1"}
+    monkeypatch.setattr(sandbox, "_own_environment", lambda: other)
     monkeypatch.setattr(sandbox, "_shared", None)  # this test's own server; the session's comes back after
     exercise = registry.get("sdpa")
     cells = [(cell.number, cell.source) for cell in extract.code_cells(learner_notebook(exercise.id))]

@@ -22,6 +22,7 @@ namespace of the fork server's, which the grader reaches through `/proc/<server>
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import functools
 import itertools
@@ -223,14 +224,18 @@ def _shared_environment() -> dict[str, str]:
     return scrubbed_environment("/nonexistent", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **gpu_environment()})
 
 
-def _own_environment() -> dict[str, str]:
-    """What a fork server needs set before triton loads (the exercises' variables), and whether
-    this run was given a delegated cgroup: known only once the run has imported the exercises and
-    read its options, so given to each server as it starts, after the zygote's imports."""
+def _exercise_variables() -> dict[str, str]:
+    """What a fork server needs set before triton loads: the exercises' variables."""
     from autograde.registry import EXERCISES
 
-    needed = {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
-    return {**needed, **_declared_delegation()}
+    return {key: value for exercise in EXERCISES.values() for key, value in exercise.env.items()}
+
+
+def _own_environment() -> dict[str, str]:
+    """The exercises' variables, and whether this run was given a delegated cgroup: known only once
+    the run has imported the exercises and read its options, so given to each server as it starts,
+    after the zygote's imports."""
+    return {**_exercise_variables(), **_declared_delegation()}
 
 
 class Zygote:
@@ -485,6 +490,15 @@ def start_zygote() -> Zygote | None:
     atexit.register(zygote.close)  # registered before any server's close, so it runs after them
     use_zygote(zygote.requests)
     return zygote
+
+
+def zygote_load_servers() -> None:
+    """Tell the run's zygote the exercises' variables as soon as this process knows them (it has
+    imported the exercises), so that it loads the fork servers' modules beside this process's other
+    imports rather than at the first server's request."""
+    if _zygote_requests is not None:
+        with contextlib.suppress(OSError):  # a zygote that has gone is met at the first request
+            _zygote_requests.send(json.dumps(_exercise_variables()).encode())
 
 
 def zygote_requests() -> socket.socket | None:
