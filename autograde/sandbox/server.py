@@ -50,6 +50,7 @@ stdout.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -446,6 +447,10 @@ def _stop_every_job(running: dict[int, tuple[str, int]]) -> None:
 
 def serve() -> None:
     """Read requests from stdin, answer on stdout, until stdin closes."""
+    # Imported with collection off (`client.START_SERVER`, the zygote's alike): what the imports
+    # made is left out of every later collection, here and in the processes forked from here.
+    gc.freeze()
+    gc.enable()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
     torch.set_num_threads(1)
