@@ -12,7 +12,7 @@ import pytest
 
 from autograde import course
 from autograde.frontends import cli
-from autograde.grading import batch, report
+from autograde.grading import batch, class_report, journal, report
 from autograde.registry import EXERCISES
 from tests.conftest import CLASS_EXPECTED
 from tests.fixtures.notebooks import ROOT, SEED
@@ -149,6 +149,17 @@ def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_
     failed = {r["test"] for r in csv.DictReader((class_grades.out / "results.csv").open()) if r["status"] == "failed"}
     assert any(f"<td>{test}</td>" in page for test in failed)
     assert f"seed {SEED}" in page
+
+
+def test_the_warm_up_beside_the_grading_changes_no_figure_and_leaves_none_open(class_grades):
+    """`class_report.warm_up` (the run's `meanwhile`) draws a figure of its own: the report's figures
+    are the same bytes whether it ran or not, and it leaves no figure open."""
+    rows = [(student, grade) for (student, _), grade in journal.Journal(class_grades.out, None, True).grades().items()]
+    assert len(rows) == len(CLASS_EXPECTED) * 2
+    before = class_report._figures(rows)
+    class_report.warm_up()
+    assert class_report.plotting().get_fignums() == []
+    assert class_report._figures(rows) == before
 
 
 def test_the_class_report_reads_in_a_real_browser(class_grades):

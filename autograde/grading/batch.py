@@ -293,8 +293,8 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     in as many grading processes (trusted: they run the tests, each with its own fork server, forked
     from the run's zygote where the command started one), which share the exercises out
     (`ExercisesShared`). `meanwhile` runs once, in a thread of this process beside the grading (the
-    command imports what it writes the reports with, half a second that lay on the run's end when it
-    waited for the first process to find nothing left and the last two notebooks ended together).
+    command imports and warms up what it draws the report's figures with, `class_report.warm_up`:
+    more than half a second that lay on the run's end).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
