@@ -143,7 +143,10 @@ def runs(tmp_path_factory):
     stopped = {}
     for how in (signal.SIGTERM, signal.SIGKILL):
         out = base / how.name
-        code = interrupt_after(grade(submitted, out, "--seed", str(SEED)), out, 4, how)
+        temporary = base / f"tmp-{how.name}"  # the run's TMPDIR: what it leaves there
+        temporary.mkdir()
+        code = interrupt_after(grade(submitted, out, "--seed", str(SEED), env={**os.environ, "TMPDIR": str(temporary)}),
+                               out, 4, how)
         before, table = recorded(out), (out / "grades.csv").exists()
         resumed = grade(submitted, out, "--resume")
         output = resumed.communicate(timeout=600)
@@ -158,6 +161,13 @@ def test_sigterm_stops_cleanly_and_says_how_to_go_on(runs):
     assert code == 128 + signal.SIGTERM
     assert 4 <= len(before) < 16
     assert not table  # no grade table that looks complete but is not
+
+
+@pytest.mark.slow
+def test_a_stopped_run_leaves_no_temporary_folder(runs):
+    """Its grading processes were killed mid-notebook: their jobs' folders went with the run's."""
+    _, base, _ = runs
+    assert list((base / "tmp-SIGTERM").iterdir()) == []
 
 
 @pytest.mark.slow

@@ -17,10 +17,12 @@ import contextlib
 import dataclasses
 import multiprocessing.util
 import os
+import shutil
 import signal
 import socket
 import sqlite3
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -76,12 +78,14 @@ def _stop_if_interrupted() -> None:
         raise Interrupted(_stopped_by[0])
 
 
-def _grading_process_setup(threads: int, zygote: socket.socket | None) -> None:
+def _grading_process_setup(threads: int, zygote: socket.socket | None, scratch: str) -> None:
     """A grading process of the pool dies with the run, and leaves signals to it (see above: it begins
     with them blocked, `processes.signals_blocked`, and ignores them before it lets them in); its fork server
     inherits the ignored signals, and is forked from the run's zygote where there is one. Its share
     of the cores: torch's default, a thread per core in each of `--jobs` processes, keeps threads
-    spinning for cores that the others hold."""
+    spinning for cores that the others hold. Its temporary folders (each notebook's job) go in the
+    run's `scratch`, which the run removes: a process killed mid-notebook leaves its own behind."""
+    tempfile.tempdir = scratch
     isolation.die_with_parent()
     notebook.skip_iri_grammars()
     for number in STOPPING_SIGNALS:
@@ -338,12 +342,15 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     workers = min(jobs, len(tasks))
     prepare(chosen)
     pool, futures, shared, beside = None, {}, ExercisesShared(tasks), None  # one notebook per process at a time
+    scratch = None
     if workers > 1:
+        scratch = tempfile.mkdtemp(prefix="autograde-run-")
+        os.chmod(scratch, 0o711)  # each job's folder in it is entered by its submission's uid
         # Each grading process dies with this one (SIGKILL included), and its fork server with it.
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=processes.context(),
                                    initializer=_grading_process_setup,
                                    initargs=(max(1, len(os.sched_getaffinity(0)) // workers),
-                                             sandbox.zygote_requests()))
+                                             sandbox.zygote_requests(), scratch))
 
     def submit(task: Task) -> None:
         student, exercise = task
@@ -383,15 +390,20 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
                 bar.set_postfix_str(STOPPING)
     except BaseException:
         if pool is not None:
-            for process in list(getattr(pool, "_processes", {}).values()):
+            killed = list(getattr(pool, "_processes", {}).values())
+            for process in killed:
                 process.kill()  # its fork server, and what that runs, die with it
             pool.shutdown(wait=False, cancel_futures=True)
             processes.stop()
+            for process in killed:
+                process.join(timeout=5)  # ended before their folders are removed
+            shutil.rmtree(scratch, ignore_errors=True)
             _stop_if_interrupted()  # a grading process that a signal ended first breaks the pool
         raise
     if pool is not None:
         pool.shutdown()
         processes.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
     if beside is not None:
         beside.join()
     return [(student, grades[student, e.id]) for student in students for e in chosen]
