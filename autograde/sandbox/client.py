@@ -45,8 +45,8 @@ from autograde.sandbox import cgroups, isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `autograde` package
 # The signals that stop a run are the grader's to act on (server.py), from before the server imports
-# torch. No garbage collection while it imports (`server.serve` freezes what it imported, then
-# collects again): a tenth of the imports' time, and pages that forked processes would copy.
+# torch. No garbage collection while it imports (`server.serve` freezes what it imported, then turns
+# collection back on): a tenth of the imports' time, and pages that forked processes would copy.
 _PREAMBLE = ("import gc, signal, sys; gc.disable(); [signal.signal(s, signal.SIG_IGN) for s in "
              "(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]; sys.path.insert(0, sys.argv[1]); ")
 START_SERVER = _PREAMBLE + "from autograde.sandbox.server import serve; serve()"
