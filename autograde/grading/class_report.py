@@ -30,8 +30,11 @@ SLOWEST_HEADING = "<h2>Slowest notebooks</h2>"
 
 
 def _figure_tag(figure, alt: str) -> str:
+    # Laid out already: "tight" bounds would draw it twice, and so would a layout engine left on it
+    # (`tight_layout` leaves one), which saving runs in a draw of its own first.
+    figure.set_layout_engine(None)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)  # laid out already: "tight" bounds would draw it twice
+    figure.savefig(buffer, format="png", dpi=100)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
 
@@ -56,7 +59,6 @@ def warm_up() -> None:
     axis.text(0, 0, "0")
     axis.set_title("warm-up")
     figure.tight_layout()
-    figure.set_layout_engine(None)
     _figure_tag(figure, "")
     plt.close(figure)
 
@@ -87,7 +89,6 @@ def _figures(rows: list[tuple[str, Grade]]) -> str:
     axis.set_xlabel("score, % of the exercise's points (100 in the last band)")
     axis.set_title("Students by score")
     figure.tight_layout()
-    figure.set_layout_engine(None)  # laid out; with an engine left, saving would draw it once more first
     means = ", ".join(f"{e} {points(sum(g.score for g in by_exercise[e]) / len(by_exercise[e]))}" for e in exercises)
     scores = _figure_tag(figure, f"Students of each exercise by tenths of its points; mean scores: {means}")
     plt.close(figure)
@@ -104,7 +105,6 @@ def _figures(rows: list[tuple[str, Grade]]) -> str:
     axis.set_title("Notebooks by status")
     axis.legend(fontsize="small")
     figure.tight_layout()
-    figure.set_layout_engine(None)  # laid out; with an engine left, saving would draw it once more first
     counted = "; ".join(f"{status}: {sum(statuses[e, status] for e in exercises)}" for status in names)
     status_figure = _figure_tag(figure, f"Stacked bars of the notebooks of each exercise by status; in all, {counted}")
     plt.close(figure)

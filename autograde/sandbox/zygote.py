@@ -50,19 +50,20 @@ def _load_server(message: bytes) -> dict[str, str]:
     return variables
 
 
-def _become_server(requests: socket.socket, message: bytes, descriptors: list[int], fresh: bool) -> None:
-    """`fresh`: the request's variables differ from those the server's modules were loaded with, so
-    a new interpreter is started in this process's place, as a server started alone is."""
+def _become_server(requests: socket.socket, variables: dict[str, str], descriptors: list[int],
+                   loaded: dict[str, str]) -> None:
+    """Where the request's `variables` differ from those the server's modules were `loaded` with, a
+    new interpreter is started in this process's place, as a server started alone is."""
     requests.close()
     os.setsid()
     for target, descriptor in enumerate(descriptors):
         os.dup2(descriptor, target)
         os.close(descriptor)
     try:
-        if fresh:
+        if any(variables.get(name) != value for name, value in loaded.items()):
             os.execve(sys.executable, [sys.executable, "-I", "-c", START_SERVER, str(ROOT)],
-                      {**_SHARED_ENVIRONMENT, **json.loads(message)})
-        os.environ.update(json.loads(message))
+                      {**_SHARED_ENVIRONMENT, **variables})
+        os.environ.update(variables)
         from autograde.sandbox.server import serve
 
         serve()
@@ -93,8 +94,7 @@ def main(requests_descriptor: int) -> None:
         if loaded is None:
             loaded = _load_server(message)
         if len(descriptors) == DESCRIPTORS and os.fork() == 0:
-            asked = json.loads(message)
-            _become_server(requests, message, descriptors, fresh=any(asked.get(k) != v for k, v in loaded.items()))
+            _become_server(requests, json.loads(message), descriptors, loaded)
         for descriptor in descriptors:
             os.close(descriptor)
         _reap(block=False)
