@@ -232,6 +232,38 @@ def test_scores_that_raise_no_peak_are_seen_too(attack):
     assert points == 0 and problems[-1].startswith("whole-scores rule broken: during "), results
 
 
+# The whole matrix at the first call of L = S = 4096 only, then SECOND_CALL at every later one.
+WHOLE_MATRIX_AT_FIRST = '''
+_calls_at_4096 = []
+
+
+def flash_attention_forward(q, k, v, causal=False, block_q=64, block_k=64):
+    if causal or q.shape[-2] < 4096:
+        return _tiled_forward(q, k, v, causal, block_q, block_k)
+    _calls_at_4096.append(q.shape)
+    if len(_calls_at_4096) == 1:
+        return _whole_matrix_forward(q, k, v)
+    return SECOND_CALL
+'''
+
+
+@pytest.mark.parametrize("second_call, kept", [
+    ("_tiled_forward(q, k, v, causal, block_q, block_k)", True),
+    ("(torch.zeros_like(q), torch.zeros(q.shape[:-1]))", False),
+], ids=["then-in-blocks", "then-a-wrong-answer"])
+def test_a_call_over_the_whole_scores_rule_is_made_again_and_the_second_judged_and_checked(second_call, kept):
+    """What one measurement adds beyond the call's own memory need not recur, a stored matrix does:
+    the case measures the call once more, and checks what that call returned as it checks the first."""
+    answer = TILED + WHOLE_MATRIX_AT_FIRST.replace("SECOND_CALL", second_call)
+    points, problems = names(measured("flash_forward", {"flash_attention_forward": answer}, (MEASURED,)))[
+        "whole-scores-measured-from-outside"]
+    if kept:
+        assert (points, problems) == (0.5, ()), problems
+    else:
+        assert points == 0 and problems[0].startswith("`out`: max abs error"), problems
+        assert not any("whole-scores rule" in problem for problem in problems), problems
+
+
 def test_a_process_started_and_ended_during_the_call_fails_it():
     results = names(measured("flash_forward", {"flash_attention_forward": TILED + FORKS_IN_THE_CALL}))
     points, problems = results["whole-scores-measured-from-outside"]
@@ -426,7 +458,9 @@ def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_see
     the slow exponentials of a large negative number, and stops after two
     pairs each at 0.7 or less, which an answer computing every block never shows first; the
     whole-scores rule allows 1 (memory over all the scores at two bytes each), in flash_forward and
-    through flash_backward's FlashAttention.apply."""
+    through flash_backward's FlashAttention.apply, which the solutions stay at least 0.2 within in
+    one measurement (0.19-0.29 and 0.41-0.46 here, the forward up to 0.50 on another 2-core machine
+    with the slow tier running beside it; the case measures once more where a call is over)."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         measured_costs = {(name, seed): outside_costs(answers, seed)
@@ -443,6 +477,6 @@ def test_the_outside_cases_separate_right_from_wrong_by_wide_margins_on_five_see
     assert max(work["solution"]) <= 0.75 and max(honest_maskers) <= tests.WORK_TIME_RATIO - 0.05, work
     assert min(work["masks-in-numpy"]) >= tests.WORK_TIME_RATIO + 0.1, work
     assert tests.WORK_TIME_CLEAR <= 0.7 and min(first_pairs["masks-in-numpy"]) >= 0.95, first_pairs
-    assert max(memory["solution"]) <= 0.5 and min(memory["whole-matrix"]) >= 1.5, memory
-    assert max(backward_memory["solution"]) <= 0.7 and min(backward_memory["probabilities-in-a-dict"]) >= 1.5, \
+    assert max(memory["solution"]) <= 0.8 and min(memory["whole-matrix"]) >= 1.5, memory
+    assert max(backward_memory["solution"]) <= 0.8 and min(backward_memory["probabilities-in-a-dict"]) >= 1.5, \
         backward_memory

@@ -37,6 +37,7 @@ from autograde.exercises.flash_backward import (
     backward,
 )
 from autograde.exercises.flash_forward import DEFAULT_BLOCK
+from autograde.observe import CallCost
 from autograde.rules import judge
 from autograde.testing import assert_rule, assert_same, observed, observed_rows, oracle
 from autograde.tests.test_flash_forward import (
@@ -299,15 +300,19 @@ def test_whole_scores_measured_from_outside(submission, draw):
     """B = H = 2, L = S = 2048: FlashAttention.apply and its backward, memory measured from outside your process"""
     submission.apply_gradients(whole_scores_inputs(draw, 2 * DEFAULT_BLOCK))  # code run for the first time
     inputs = whole_scores_inputs(draw)
-    with submission.cost_measured() as peak:
-        got = submission.apply_gradients(inputs)
     # out only, on some of its rows, against the definition: the gradients are graded elsewhere
     rows = torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP)
     out, _ = attention_by_definition(inputs["q"], inputs["k"], inputs["v"], inputs["causal"], rows)
     checked = Inputs(inputs.values, f"{inputs.note}; out checked on {len(rows)} rows, every {CHECKED_ROW_STEP}th")
-    try:
-        got = observed_rows(got, {"out": inputs["q"].shape}, rows, axis=2)
-    except AssertionError as error:
-        raise AssertionError(f"inputs: {checked.describe()}\n{error}") from None
-    assert_same(got, observed({"out": out}), checked)
-    assert_whole_scores_kept(peak, "FlashAttention.apply(q, k, v, causal=False) and its backward", inputs)
+
+    def measured_call() -> CallCost:
+        with submission.cost_measured() as peak:
+            got = submission.apply_gradients(inputs)
+        try:
+            got = observed_rows(got, {"out": inputs["q"].shape}, rows, axis=2)
+        except AssertionError as error:
+            raise AssertionError(f"inputs: {checked.describe()}\n{error}") from None
+        assert_same(got, observed({"out": out}), checked)
+        return peak
+
+    assert_whole_scores_kept(measured_call, "FlashAttention.apply(q, k, v, causal=False) and its backward", inputs)

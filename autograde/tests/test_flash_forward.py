@@ -25,6 +25,7 @@ the row or wider.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -308,9 +309,17 @@ def assert_attention_rows(got: dict, inputs: Inputs, rows: torch.Tensor) -> None
     assert_attention(got, observed({"out": out, "lse": lse}), checked)
 
 
-def assert_whole_scores_kept(peak: CallCost, call: str, inputs: Inputs) -> None:
+def assert_whole_scores_kept(measured_call: Callable[[], CallCost], call: str, inputs: Inputs) -> None:
+    """`measured_call()` makes the call measured from outside, checks what it returned and gives its
+    cost. Where that breaks the whole-scores rule, the call is made and checked once more and the
+    second judged: what one measurement may add (pages touched by the allocator or the interpreter's
+    collector, more on some machines than on others) need not recur, while a stored score matrix is
+    there at every call."""
     B, H, L, _ = inputs["q"].shape
-    problems = judge.whole_scores(call, peak, B * H * L * inputs["k"].shape[-2])
+    scores = B * H * L * inputs["k"].shape[-2]
+    problems = judge.whole_scores(call, measured_call(), scores)
+    if problems:
+        problems = judge.whole_scores(call, measured_call(), scores)
     if problems:
         raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
 
@@ -479,10 +488,14 @@ def test_whole_scores_measured_from_outside(submission, draw):
     """L = S = 4096: memory measured from outside your process stays below what all the scores take"""
     submission.forward(whole_scores_inputs(draw, 2 * WHOLE_BLOCK))  # code run for the first time, not measured
     inputs = whole_scores_inputs(draw)
-    with submission.cost_measured() as peak:
-        got = submission.forward(inputs)
-    assert_attention_rows(got, inputs, torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP))
-    assert_whole_scores_kept(peak, call_text(FORWARD, "q, k, v", options_of(inputs)), inputs)
+
+    def measured_call() -> CallCost:
+        with submission.cost_measured() as peak:
+            got = submission.forward(inputs)
+        assert_attention_rows(got, inputs, torch.arange(0, inputs["q"].shape[-2], CHECKED_ROW_STEP))
+        return peak
+
+    assert_whole_scores_kept(measured_call, call_text(FORWARD, "q, k, v", options_of(inputs)), inputs)
 
 
 @pytest.mark.hidden
