@@ -3,7 +3,9 @@
     python -m benchmarks.check_latency                        # every exercise, 3 calls after the first
     python -m benchmarks.check_latency --exercise sdpa --calls 5
 
-For each exercise, a fresh kernel (`jupyter_client`, this interpreter's `ipykernel`) runs the code
+For each exercise, a fresh kernel (`jupyter_client`, this interpreter's `ipykernel`, over Unix
+sockets in a folder of its own: TCP ports that jupyter_client picks and frees before the kernel
+binds them could be taken by then, by the previous kernel's among others) runs the code
 cells of the exercise's solution notebook, as a learner who solved it has run them (its checks and
 nbgrader's test cells left out), then `from autograde import check; check("<id>")` once and
 `--calls` times more. Each call is timed inside the kernel: wall seconds, and the kernel's CPU
@@ -21,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -66,12 +69,16 @@ def run_cell(client, source: str) -> str:
 
 def measure(exercise: registry.Exercise, calls: int) -> dict:
     """A fresh kernel: the learner's cells, then 1 + `calls` checks, each timed."""
-    from jupyter_client.manager import start_new_kernel
+    from jupyter_client.manager import KernelManager
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(ROOT / "solutions" / exercise.assignment),
-                                       env=env)
+    sockets = tempfile.TemporaryDirectory(prefix="check-latency-")
+    manager = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets.name, "kernel"))
+    manager.start_kernel(cwd=str(ROOT / "solutions" / exercise.assignment), env=env)
+    client = manager.client()
+    client.start_channels()
     try:
+        client.wait_for_ready(timeout=CELL_SECONDS)
         for source in learner_cells(exercise):
             run_cell(client, source)
         timings, failed = [], []
@@ -84,6 +91,7 @@ def measure(exercise: registry.Exercise, calls: int) -> dict:
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+        sockets.cleanup()
     later = timings[1:]
     return {"exercise": exercise.id, "first": timings[0],
             "later_wall_seconds": statistics.median(t["wall_seconds"] for t in later) if later else None,
