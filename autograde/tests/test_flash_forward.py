@@ -24,6 +24,7 @@ the row or wider.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -311,15 +312,17 @@ def assert_attention_rows(got: dict, inputs: Inputs, rows: torch.Tensor) -> None
 
 def assert_whole_scores_kept(measured_call: Callable[[], CallCost], call: str, inputs: Inputs) -> None:
     """`measured_call()` makes the call measured from outside, checks what it returned and gives its
-    cost. Where that breaks the whole-scores rule, the call is made and checked once more and the
-    second judged: what one measurement may add (pages touched by the allocator or the interpreter's
-    collector, more on some machines than on others) need not recur, while a stored score matrix is
-    there at every call."""
+    cost. Where that breaks the whole-scores rule, the call is made and checked once more and, if it
+    returns the right values, the second judged: what one measurement may add (pages touched by the
+    allocator or the interpreter's collector, more on some machines than on others) need not recur,
+    while a stored score matrix is there at every call. A second call that fails leaves the first's
+    problems standing."""
     B, H, L, _ = inputs["q"].shape
     scores = B * H * L * inputs["k"].shape[-2]
     problems = judge.whole_scores(call, measured_call(), scores)
     if problems:
-        problems = judge.whole_scores(call, measured_call(), scores)
+        with contextlib.suppress(Exception):
+            problems = judge.whole_scores(call, measured_call(), scores)
     if problems:
         raise AssertionError("\n".join([f"inputs: {inputs.describe()}", *problems]))
 
