@@ -74,8 +74,7 @@ def grade_tree(submitted: Path, out: Path, seed: int | None, jobs: int, limits: 
     record = None
     try:
         record = journal.Journal(out, seed, resume)
-        rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard,
-                               meanwhile=class_report.warm_up)
+        rows = batch.grade_all(submitted, record.seed, jobs, limits, assignments, journal=record, shard=shard)
         students = list(dict.fromkeys(student for student, _ in rows))
         written = write_outputs(out, rows, record.seed, students)
     except journal.JournalError as exc:

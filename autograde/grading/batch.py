@@ -13,7 +13,6 @@ look finished. Once a signal has arrived nothing more is recorded, whatever come
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing.util
 import os
@@ -23,11 +22,10 @@ import socket
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
@@ -97,11 +95,6 @@ def _grading_process_setup(threads: int, zygote: socket.socket | None, scratch: 
     multiprocessing.util.Finalize(None, sandbox.close_fork_server, exitpriority=0)
     sandbox.use_zygote(zygote)
     start_sandbox()
-
-
-def _quietly(work: Callable[[], object]) -> None:
-    with contextlib.suppress(Exception):  # met again where its work is needed
-        work()
 
 
 def start_sandbox() -> None:
@@ -286,8 +279,7 @@ class ExercisesShared:
 
 def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sandbox.Limits(),
               assignments: list[str] | None = None, progress: bool = True,
-              journal: Journal | None = None, shard: tuple[int, int] = (1, 1),
-              meanwhile: Callable[[], object] | None = None) -> list[tuple[str, Grade]]:
+              journal: Journal | None = None, shard: tuple[int, int] = (1, 1)) -> list[tuple[str, Grade]]:
     """Every (student, exercise) row, in order; with a journal, recorded as each finishes.
 
     With `shard=(K, N)`, only the students of shard K of N (`provenance.shard_of`); the
@@ -296,9 +288,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
     pytest runs one session at a time in a process, so `jobs` notebooks are graded side by side
     in as many grading processes (trusted: they run the tests, each with its own fork server, forked
     from the run's zygote where the command started one), which share the exercises out
-    (`ExercisesShared`). `meanwhile` runs once, in a thread of this process beside the grading (the
-    command imports and warms up what it draws the report's figures with, `class_report.warm_up`:
-    more than half a second that lay on the run's end).
+    (`ExercisesShared`).
     Interrupted (`stop_on_signals`), it stops: notebooks being graded are not recorded, whatever
     they came back with, and `Interrupted` goes on up.
     """
@@ -341,7 +331,7 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
 
     workers = min(jobs, len(tasks))
     prepare(chosen)
-    pool, futures, shared, beside = None, {}, ExercisesShared(tasks), None  # one notebook per process at a time
+    pool, futures, shared = None, {}, ExercisesShared(tasks)  # one notebook per process at a time
     scratch = None
     if workers > 1:
         scratch = tempfile.mkdtemp(prefix="autograde-run-")
@@ -362,9 +352,6 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
             with processes.signals_blocked():  # the pool forks its processes at the first notebook,
                 for task in shared.first(workers):  # before the progress bar starts a thread (`processes`)
                     submit(task)
-            if meanwhile is not None:  # a thread now that the pool's processes are forked
-                beside = threading.Thread(target=_quietly, args=(meanwhile,), daemon=True)
-                beside.start()
         # tqdm puts ", " before a postfix itself; the bar shows at once, saying what the wait is for.
         with tqdm(total=len(tasks), unit="notebook", disable=not progress, postfix=STARTING,
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]") as bar:
@@ -404,6 +391,4 @@ def grade_all(submitted: Path, seed: int, jobs: int, limits: sandbox.Limits = sa
         pool.shutdown()
         processes.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    if beside is not None:
-        beside.join()
     return [(student, grades[student, e.id]) for student in students for e in chosen]

@@ -1,8 +1,8 @@
 """The instructor's view of a graded class: one self-contained HTML page (`<out>/report.html`).
 
 The notebooks that need a person (`ATTENTION`: review, not allowed, crashed, cut short, changed
-from the release), the score distribution of each exercise and the statuses (matplotlib figures,
-embedded), each student's row, the tests most notebooks fail (a parametrised test's cases
+from the release), the score distribution of each exercise and the statuses (tables drawn as
+charts by the browser), each student's row, the tests most notebooks fail (a parametrised test's cases
 together) with their most common failure message, and the slowest notebooks (`SLOWEST_HEADING`:
 the one part that differs between two gradings of the same class, since it shows measured times;
 each grading process starts its sandbox before its first notebook, so no row holds that start).
@@ -11,9 +11,7 @@ It holds hidden tests' details: it is for the instructor, never for students.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
@@ -26,89 +24,67 @@ if TYPE_CHECKING:
 MOST_FAILED, SLOWEST = 15, 10
 BANDS = 10  # the score map's columns: tenths of an exercise's points
 ATTENTION = ("review", "not allowed", "crashed", "incomplete")  # statuses a person should look at
+# The status bars' colours, in their order (`grade.py`'s statuses); another status is drawn grey, last.
+STATUS_COLOURS = {"graded": "#2ca02c", "incomplete": "#ff7f0e", "review": "#1f77b4", "not allowed": "#d62728",
+                  "crashed": "#9467bd", "invalid": "#8c564b", "missing": "#7f7f7f"}
+OTHER_COLOUR = "#bcbd22"
 SLOWEST_HEADING = "<h2>Slowest notebooks</h2>"
 
 
-def _figure_tag(figure, alt: str) -> str:
-    # Laid out already: "tight" bounds would draw it twice, and so would a layout engine left on it
-    # (`tight_layout` leaves one), which saving runs in a draw of its own first.
-    figure.set_layout_engine(None)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
+def _shade(share: float) -> str:
+    """A blue from pale (a share near 0) to dark (1): the score map's cells by their count."""
+    pale, dark = (222, 235, 247), (8, 81, 156)
+    return "#" + "".join(f"{round(p + (d - p) * share):02x}" for p, d in zip(pale, dark))
 
 
-def plotting():
-    """matplotlib's pyplot, drawing without a display (none where instructors grade)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def warm_up() -> None:
-    """What the report's first figure pays once, paid while the notebooks are graded (a run's
-    `meanwhile`, `batch.grade_all`): pyplot's import, half a second, and a first small figure drawn
-    and saved (its fonts and caches: the report's figures then take 0.31 s, not 0.49)."""
-    plt = plotting()
-    figure, axis = plt.subplots(figsize=(2, 1))
-    axis.imshow([[0, 1]])
-    axis.text(0, 0, "0")
-    axis.set_title("warm-up")
-    figure.tight_layout()
-    _figure_tag(figure, "")
-    plt.close(figure)
+def _score_map(by_exercise: dict[str, list[Grade]]) -> str:
+    """The class in one table: each exercise's notebooks by tenths of its points, the counts shaded."""
+    counts = {exercise: [0] * BANDS for exercise in by_exercise}
+    for exercise, grades in by_exercise.items():
+        for grade in grades:
+            counts[exercise][min(BANDS - 1, int(BANDS * grade.score / (grade.max_score or 1)))] += 1
+    most = max(max(row) for row in counts.values())
+    width = 100 // BANDS
+    head = "".join(f"<th>{width * band}–{width * (band + 1)}</th>" for band in range(BANDS))
+    lines = []
+    for exercise, row in counts.items():
+        cells = "".join(f'<td style="background:{_shade(count / most)};color:{"#fff" if count > most / 2 else "#000"}">'
+                        f"{count}</td>" if count else "<td></td>" for count in row)
+        lines.append(f"<tr><th>{html.escape(exercise)}</th>{cells}</tr>")
+    caption = "Students by score: each exercise's notebooks by the share of its points they scored, in % (full " \
+              "marks in the last band)"
+    return (f'<table class="chart scores"><caption>{caption}</caption><thead><tr><th>exercise</th>{head}</tr>'
+            f"</thead><tbody>{''.join(lines)}</tbody></table>")
 
 
-def _figures(rows: list[tuple[str, Grade]]) -> str:
-    plt = plotting()
+def _status_bars(rows: list[tuple[str, Grade]], exercises: list[str]) -> str:
+    """Each exercise's notebooks by status: the counts, and a bar of them to the scale of the largest."""
+    statuses = Counter((grade.exercise.id, grade.status) for _, grade in rows)
+    present = {name for _, name in statuses}
+    names = [name for name in STATUS_COLOURS if name in present] + sorted(present - STATUS_COLOURS.keys())
+    colours = {name: STATUS_COLOURS.get(name, OTHER_COLOUR) for name in names}
+    longest = max(sum(statuses[e, name] for name in names) for e in exercises)
+    lines = []
+    for exercise in exercises:
+        counts = [statuses[exercise, name] for name in names]
+        bar = "".join(f'<span style="width:{100 * count / longest:.2f}%;background:{colours[name]}" '
+                      f'title="{html.escape(name)}: {count}"></span>' for name, count in zip(names, counts) if count)
+        cells = "".join(f"<td>{count or ''}</td>" for count in counts)
+        lines.append(f'<tr><th>{html.escape(exercise)}</th>{cells}<td class="bar"><div>{bar}</div></td></tr>')
+    head = "".join(f'<th><span class="key" style="background:{colours[name]}"></span>{html.escape(name)}</th>'
+                   for name in names)
+    return (f'<table class="chart statuses"><caption>Notebooks by status</caption><thead><tr><th>exercise</th>'
+            f"{head}<th>notebooks</th></tr></thead><tbody>{''.join(lines)}</tbody></table>")
+
+
+def _charts(rows: list[tuple[str, Grade]]) -> str:
+    """The score map and the status bars: tables a browser draws (and a screen reader reads), not images,
+    so that a run draws nothing (matplotlib's import and two figures cost a class of 48 a tenth of a
+    core's time, and the run's last step waited for the figures)."""
     by_exercise: dict[str, list[Grade]] = defaultdict(list)
     for _, grade in rows:
         by_exercise[grade.exercise.id].append(grade)
-    exercises = list(by_exercise)
-    # One map of the class, exercises by tenths of their points: one axes draws in a fifth of the time
-    # of a histogram per exercise (0.14 against 0.6 s for twelve), and stays as wide for any number.
-    counts = [[0] * BANDS for _ in exercises]
-    for row, exercise in zip(counts, exercises):
-        for grade in by_exercise[exercise]:
-            row[min(BANDS - 1, int(BANDS * grade.score / (grade.max_score or 1)))] += 1
-    figure, axis = plt.subplots(figsize=(6.4, 0.8 + 0.3 * len(exercises)))
-    axis.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
-    axis.set_yticks(range(len(exercises)), exercises)
-    width = 100 // BANDS
-    axis.set_xticks(range(BANDS), [f"{width * band}-{width * (band + 1)}" for band in range(BANDS)])
-    most = max(max(row) for row in counts)
-    for y, row in enumerate(counts):
-        for x, count in enumerate(row):
-            if count:
-                axis.text(x, y, str(count), ha="center", va="center", fontsize="small",
-                          color="white" if count > most / 2 else "black")
-    axis.set_xlabel("score, % of the exercise's points (100 in the last band)")
-    axis.set_title("Students by score")
-    figure.tight_layout()
-    means = ", ".join(f"{e} {points(sum(g.score for g in by_exercise[e]) / len(by_exercise[e]))}" for e in exercises)
-    scores = _figure_tag(figure, f"Students of each exercise by tenths of its points; mean scores: {means}")
-    plt.close(figure)
-
-    statuses = Counter((grade.exercise.id, grade.status) for _, grade in rows)
-    names = sorted({status for _, status in statuses})
-    figure, axis = plt.subplots(figsize=(max(4.0, 1.2 * len(exercises)), 2.8))
-    bottom = [0] * len(exercises)
-    for status in names:
-        counts = [statuses[exercise, status] for exercise in exercises]
-        axis.bar(exercises, counts, bottom=bottom, label=status)
-        bottom = [b + c for b, c in zip(bottom, counts)]
-    axis.set_ylabel("notebooks")
-    axis.set_title("Notebooks by status")
-    axis.legend(fontsize="small")
-    figure.tight_layout()
-    counted = "; ".join(f"{status}: {sum(statuses[e, status] for e in exercises)}" for status in names)
-    status_figure = _figure_tag(figure, f"Stacked bars of the notebooks of each exercise by status; in all, {counted}")
-    plt.close(figure)
-    return scores + status_figure
+    return _score_map(by_exercise) + _status_bars(rows, list(by_exercise))
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -173,7 +149,10 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Class report</title>",
         "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left}img{max-width:100%}</style></head><body>",
+        "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left}caption{text-align:left;font-weight:bold;"
+        "padding:.5em 0}table.chart{margin:1em 0}table.scores td{text-align:center;min-width:2.5em}"
+        ".bar div{display:flex;width:20em;height:1em}.bar span{display:block;height:100%}"
+        ".key{display:inline-block;width:.8em;height:.8em;margin-right:.3em}</style></head><body>",
         f"<h1>Class report</h1><p>{len(students)} students, {len(rows)} notebooks, hidden tests drawn with seed "
         f"{seed}. For the instructor only: it shows the hidden tests' failures.</p>",
         "<h2>Needs attention</h2>",
@@ -182,7 +161,7 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
              "from the release.</p>",
         "<h2>Scores</h2>",
         _table(["exercise", "notebooks", "mean", "median", "max score", "full marks"], summary),
-        rows and _figures(rows) or "",
+        rows and _charts(rows) or "",
         "<h2>Students</h2>",
         _table(["student", "total", *exercises], by_student(rows, exercises)),
         "<h2>Tests most often failed</h2>",
