@@ -79,8 +79,8 @@ def _status_bars(rows: list[tuple[str, Grade]], exercises: list[str]) -> str:
 
 def _charts(rows: list[tuple[str, Grade]]) -> str:
     """The score map and the status bars: tables a browser draws (and a screen reader reads), not images,
-    so that a run draws nothing (matplotlib's import and two figures cost a class of 48 a tenth of a
-    core's time, and the run's last step waited for the figures)."""
+    so that a run draws nothing (matplotlib's import and two figures took 0.6 CPU s, 3.5% of grading
+    48 notebooks on 2 cores, and the run's last step waited for the figures)."""
     by_exercise: dict[str, list[Grade]] = defaultdict(list)
     for _, grade in rows:
         by_exercise[grade.exercise.id].append(grade)

@@ -176,10 +176,12 @@ class _CollectedTests:
 # unraisableexception ends every session with five full garbage collections (about 1.5 s beside a
 # learner's tensors); capture and logging set up and undo a capture around every test (together
 # about 0.4 ms a test), and capture would hold the process's output for as long as it lives, as
-# threadexception would `threading.excepthook` and debugging `pdb.set_trace`.
-_ARGUMENTS = ("-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:warnings", "-p", "no:faulthandler",
-              "-p", "no:unraisableexception", "-p", "no:logging", "-p", "no:threadexception",
-              "-p", "no:debugging", "--capture=no")
+# threadexception would `threading.excepthook` and debugging `pdb.set_trace`. The tests use none of
+# the fixtures, reports and test kinds of the others, whose hooks each test calls (2 ms a notebook).
+_ARGUMENTS = tuple(argument for plugin in (
+    "cacheprovider", "terminal", "warnings", "faulthandler", "unraisableexception", "logging", "threadexception",
+    "debugging", "capture", "unittest", "setuponly", "setupplan", "junitxml", "doctest", "pastebin", "legacypath",
+    "tmpdir", "monkeypatch", "recwarn") for argument in ("-p", f"no:{plugin}"))
 
 
 @contextlib.contextmanager
