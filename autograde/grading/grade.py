@@ -62,7 +62,13 @@ def how_it_ended(outcome: sandbox.ProcessOutcome, limits: sandbox.Limits) -> str
         return f"was stopped at the {limits.wall_seconds:g} s time limit"
     if outcome.returncode < 0:
         name = signal.Signals(-outcome.returncode).name
-        why = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (out of memory or time?)"}.get(name, "")
+        why = ""
+        if name == "SIGKILL":  # the kernel's at the CPU time limit, or the memory bound's
+            # The kernel counts the limit in ticks and reports the time spent from the scheduler's
+            # clock: they differ by a few hundredths (9.92 s for a kill at 10).
+            spent = outcome.cpu_seconds or 0.0
+            why = (f" at its {limits.cpu_seconds:g} s CPU time limit ({spent:.1f} s spent)"
+                   if spent >= 0.95 * limits.cpu_seconds else " (out of memory?)")
         return f"was killed by {name}{why}"
     return f"exited with status {outcome.returncode}"
 

@@ -92,6 +92,7 @@ class ProcessOutcome:
     output_tail: str
     isolation: str = ""  # FULL_ISOLATION when fully isolated; see server.py
     note: str = ""  # why the isolation is less than full, if it is
+    cpu_seconds: float | None = None  # what the submission's process spent, with the children it reaped
 
     @property
     def timed_out(self) -> bool:
@@ -463,7 +464,7 @@ class Running:
                 self._server._uids.give_back(self._uid)
                 self._uid = None
         return ProcessOutcome(reply.get("returncode"), read_tail(self._work / "output.txt"),
-                              reply.get("isolation", ""), reply.get("note", ""))
+                              reply.get("isolation", ""), reply.get("note", ""), reply.get("cpu_seconds"))
 
 
 def available_isolation() -> str:

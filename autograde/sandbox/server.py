@@ -94,8 +94,11 @@ def memory_rlimit(gpu: bool) -> int:
 
 
 def _limits(limits: dict, processes: int, gpu: bool) -> None:
+    # The CPU time limit is the hard one, SIGKILL: as the first process of its PID namespace the
+    # submission ignores SIGXCPU (the kernel gives a namespace's first process, where it has no
+    # handler, SIGKILL and SIGSTOP only). The supervisor tells a CPU-time kill by the CPU time spent.
     for which, value in (
-        (resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 5)),
+        (resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"])),
         (memory_rlimit(gpu), (limits["memory_bytes"], limits["memory_bytes"])),
         (resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"])),
         (resource.RLIMIT_NOFILE, (limits["open_files"], limits["open_files"])),
@@ -170,11 +173,12 @@ def _run_submission(request: dict, mode: str) -> None:
             os._exit(70)
 
 
-def _contain(request: dict, mode: str, group: cgroups.Cgroup | None, status_pipe: int) -> None:
-    """The first process of the new PID namespace: set up the private root filesystem, start
-    the submission's process, wait for it, and write its wait status. Never returns.
+def _contain(request: dict, mode: str, group: cgroups.Cgroup | None) -> None:
+    """The first process of the new PID namespace: set up the private root filesystem, then become
+    the submission's process (a process less to fork and measure for every notebook). Never returns.
 
-    When it exits, the kernel kills every other process in the namespace."""
+    When it exits, the kernel kills every other process in the namespace; orphans of its tree
+    become its children, which it need not reap (they die with it, and count in its limits)."""
     try:
         isolation.die_with_parent()
         if group is not None:
@@ -184,19 +188,10 @@ def _contain(request: dict, mode: str, group: cgroups.Cgroup | None, status_pipe
                                    gpu=request["gpu"], driver=request["driver"])
         else:
             os.setsid()
-        child = os.fork()
-        if child == 0:
-            os.close(status_pipe)
-            _run_submission(request, mode)
-        while True:  # as init, it also reaps the orphans that the submission leaves
-            pid, status = os.waitpid(-1, 0)
-            if pid == child:
-                break
-        os.write(status_pipe, str(status).encode())
-        os._exit(0)
     except BaseException:
         traceback.print_exc()
         os._exit(71)
+    _run_submission(request, mode)
 
 
 def _exit_descriptor(pid: int) -> int | None:
@@ -208,14 +203,14 @@ def _exit_descriptor(pid: int) -> int | None:
         return None
 
 
-def _wait(pid: int, deadline: float) -> int | None:
-    """The wait status of `pid`, or None once the deadline passes."""
+def _wait(pid: int, deadline: float) -> tuple[int, resource.struct_rusage] | None:
+    """The wait status of `pid` and what it and the children it reaped used, or None once the deadline passes."""
     ended = _exit_descriptor(pid)
     try:
         while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             if done:
-                return status
+                return status, usage
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -247,8 +242,7 @@ def _kill_all(first: int, uid: int | None, group: cgroups.Cgroup | None) -> None
         time.sleep(0.01)
 
 
-def _enter_user_namespace(request: dict, group: cgroups.Cgroup | None, status_pipe: int,
-                          mapped: tuple[int, int] | None) -> None:
+def _enter_user_namespace(request: dict, group: cgroups.Cgroup | None, mapped: tuple[int, int] | None) -> None:
     """Between the supervisor and the PID namespace: enter a user namespace and, owned by it, the
     others; fork their first process; end as it ends. Never returns.
 
@@ -268,10 +262,10 @@ def _enter_user_namespace(request: dict, group: cgroups.Cgroup | None, status_pi
                 raise isolation.IsolationError(0, "the user namespace's ids were not mapped")
         first = os.fork()
         if first == 0:
-            _contain(request, "userns", None, status_pipe)
-        os.close(status_pipe)
+            _contain(request, "userns", None)
         _, status = os.waitpid(first, 0)
-        if os.WIFSIGNALED(status):  # the supervisor sees how the namespace's first process ended
+        if os.WIFSIGNALED(status):  # the supervisor sees how the submission ended
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # its signal's end, not a core file
             signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
             os.kill(os.getpid(), os.WTERMSIG(status))
         os._exit(os.waitstatus_to_exitcode(status))
@@ -324,17 +318,13 @@ def _supervise(request: dict, report: int) -> None:
     elif _NO_CGROUP:
         notes.append(f"no cgroup ({_NO_CGROUP})")
     deadline = time.monotonic() + request["limits"]["wall_seconds"]
-    status_read, status_write = os.pipe()
     mapping = (os.pipe(), os.pipe()) if mode == "userns" and os.getuid() == 0 else None
     first = os.fork()
     if first == 0:
         os.close(report)
-        os.close(status_read)
         if mode == "userns":
-            _enter_user_namespace(request, group, status_write,
-                                  mapping and (mapping[0][1], mapping[1][0]))
-        _contain(request, mode, group, status_write)
-    os.close(status_write)
+            _enter_user_namespace(request, group, mapping and (mapping[0][1], mapping[1][0]))
+        _contain(request, mode, group)
     if mapping:
         os.close(mapping[0][1])
         os.close(mapping[1][0])
@@ -352,15 +342,14 @@ def _supervise(request: dict, report: int) -> None:
     _kill_descendants()
     if group is not None:
         group.remove()
-    status = os.read(status_read, 64).decode() if ended is not None else ""
     kind = "+".join([mode] + ["uid"] * (uid is not None) + ["cgroup"] * bool(group)
                     + ["seccomp"] * syscall_filter.AVAILABLE)
     if not syscall_filter.AVAILABLE:
         notes.append("no syscall filter (libseccomp not found)")
-    outcome = {"returncode": os.waitstatus_to_exitcode(int(status)) if status.isdigit() else None, "isolation": kind}
-    if ended is not None and not status.isdigit():
-        notes.append("the first process of the submission's tree was killed (out of memory?)")
-        outcome["returncode"] = os.waitstatus_to_exitcode(ended)
+    outcome = {"returncode": None, "isolation": kind}
+    if ended is not None:  # the submission's end (mirrored by the user namespace's process, where there is one)
+        status, usage = ended
+        outcome.update(returncode=os.waitstatus_to_exitcode(status), cpu_seconds=usage.ru_utime + usage.ru_stime)
     outcome["note"] = "; ".join(notes)
     os.write(report, json.dumps(outcome).encode())
     os._exit(0)
