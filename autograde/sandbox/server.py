@@ -6,14 +6,14 @@ grader's worker, and nothing of any submission. Each request (a JSON line on std
 *supervisor*, which isolates the submission in one of three ways (the reply says which):
 
 - `namespaces`, as root with CAP_SYS_ADMIN: the supervisor makes a cgroup, enters new
-  namespaces and forks the first process of a new PID namespace; that one joins the cgroup,
-  makes a private root filesystem (`isolation.private_root`) and forks the *submission's
-  process*, which runs `worker.main` under an unprivileged uid with resource limits;
+  namespaces and forks the first process of a new PID namespace, the *submission's process*:
+  it joins the cgroup, makes a private root filesystem (`isolation.private_root`), and runs
+  `worker.main` under an unprivileged uid with resource limits;
 - `userns`, without root or without CAP_SYS_ADMIN, where the kernel allows user namespaces: the
   supervisor forks a process that joins the cgroup (as root; without root, where a group is
   delegated to the user: `cgroups.take_delegated_cgroup`), as root takes the submission's
   uid, enters a new user namespace and, owned by it, the same namespaces, and forks the first
-  process of the PID namespace, which goes on as above; the submission's process drops every
+  process of the PID namespace, the submission's process, which goes on as above but drops every
   capability instead of changing uid;
 - `session`, where neither works: the submission runs in a new session with the same rlimits,
   and the supervisor kills its process group and, when it had its own uid or cgroup, every
