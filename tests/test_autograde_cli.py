@@ -152,6 +152,8 @@ def test_the_class_report_shows_scores_failures_and_the_slowest_notebooks(class_
     attention = page.split("<h2>Needs attention</h2>")[1].split("<h2>")[0]
     assert "<td>eve</td><td>mha</td><td>not allowed</td>" in attention
     assert "<td>fay</td><td>mha</td><td>not allowed</td>" in attention and "<td>ada</td>" not in attention
+    mean = round(sum(expected["mha"][0] for expected in CLASS_EXPECTED.values()) / len(CLASS_EXPECTED), 2)
+    assert f"<tr><td>mha</td><td>{len(CLASS_EXPECTED)}</td><td>{mean:g}</td>" in page  # to the hundredth
     students = page.split("<h2>Students</h2>")[1].split("<h2>")[0]
     assert "<tr><td>cleo</td><td>17</td><td>8.5</td><td>8.5</td></tr>" in students
     assert "<tr><td>dan</td><td>0</td><td>0 (invalid)</td><td>0 (missing)</td></tr>" in students

@@ -141,7 +141,8 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
     for exercise in exercises:
         grades = [g for _, g in rows if g.exercise.id == exercise]
         scores = sorted(g.score for g in grades)
-        summary.append([exercise, str(len(grades)), points(sum(scores) / len(scores)), points(scores[len(scores) // 2]),
+        mean = round(sum(scores) / len(scores), 2)  # 3.08, not 3.08333
+        summary.append([exercise, str(len(grades)), points(mean), points(scores[len(scores) // 2]),
                         points(grades[0].max_score), str(sum(g.score == g.max_score for g in grades))])
     attention = needing_attention(rows)
     # Measured times: they differ between any two runs, a single one and merged shards alike.
