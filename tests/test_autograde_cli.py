@@ -191,7 +191,7 @@ def test_the_charts_shade_by_count_and_draw_an_unknown_status_too():
 
     rows = [("a", grade(10, "graded")), ("b", grade(10, "graded")), ("c", grade(2.5, "graded")),
             ("d", grade(0, "<odd>"))]
-    charts = class_report._charts(rows)
+    charts = class_report._charts(class_report._by_exercise(rows))
     cells = re.findall(r'<td style="background:(#[0-9a-f]{6});color:(#[0-9a-f]{3})">(\d+)</td>', charts)
     assert [count for _, _, count in cells] == ["1", "1", "2"]  # bands 0, 2 and 9
     assert cells[-1][:2] == (class_report._shade(1.0), "#fff") and cells[0][1] == "#000"

@@ -57,9 +57,10 @@ def _score_map(by_exercise: dict[str, list[Grade]]) -> str:
             f"</thead><tbody>{''.join(lines)}</tbody></table>")
 
 
-def _status_bars(rows: list[tuple[str, Grade]], exercises: list[str]) -> str:
+def _status_bars(by_exercise: dict[str, list[Grade]]) -> str:
     """Each exercise's notebooks by status: the counts, and a bar of them to the scale of the largest."""
-    statuses = Counter((grade.exercise.id, grade.status) for _, grade in rows)
+    exercises = list(by_exercise)
+    statuses = Counter((exercise, grade.status) for exercise, grades in by_exercise.items() for grade in grades)
     present = {name for _, name in statuses}
     names = [name for name in STATUS_COLOURS if name in present] + sorted(present - STATUS_COLOURS.keys())
     colours = {name: STATUS_COLOURS.get(name, OTHER_COLOUR) for name in names}
@@ -77,14 +78,19 @@ def _status_bars(rows: list[tuple[str, Grade]], exercises: list[str]) -> str:
             f"{head}<th>notebooks</th></tr></thead><tbody>{''.join(lines)}</tbody></table>")
 
 
-def _charts(rows: list[tuple[str, Grade]]) -> str:
+def _charts(by_exercise: dict[str, list[Grade]]) -> str:
     """The score map and the status bars: tables a browser draws (and a screen reader reads), not images,
     so that a run draws nothing (matplotlib's import and two figures took 0.6 CPU s, 3.5% of grading
     48 notebooks on 2 cores, and the run's last step waited for the figures)."""
-    by_exercise: dict[str, list[Grade]] = defaultdict(list)
+    return _score_map(by_exercise) + _status_bars(by_exercise)
+
+
+def _by_exercise(rows: list[tuple[str, Grade]]) -> dict[str, list[Grade]]:
+    """The grades of each exercise, the exercises in the rows' order."""
+    grouped: dict[str, list[Grade]] = defaultdict(list)
     for _, grade in rows:
-        by_exercise[grade.exercise.id].append(grade)
-    return _score_map(by_exercise) + _status_bars(rows, list(by_exercise))
+        grouped[grade.exercise.id].append(grade)
+    return grouped
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -136,10 +142,10 @@ def by_student(rows: list[tuple[str, Grade]], exercises: list[str]) -> list[list
 
 def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
     students = list(dict.fromkeys(student for student, _ in rows))
-    exercises = list(dict.fromkeys(grade.exercise.id for _, grade in rows))
+    by_exercise = _by_exercise(rows)
+    exercises = list(by_exercise)
     summary = []
-    for exercise in exercises:
-        grades = [g for _, g in rows if g.exercise.id == exercise]
+    for exercise, grades in by_exercise.items():
         scores = sorted(g.score for g in grades)
         mean = round(sum(scores) / len(scores), 2)  # 3.08, not 3.08333
         summary.append([exercise, str(len(grades)), points(mean), points(scores[len(scores) // 2]),
@@ -162,7 +168,7 @@ def class_report_html(rows: list[tuple[str, Grade]], seed: int) -> str:
              "from the release.</p>",
         "<h2>Scores</h2>",
         _table(["exercise", "notebooks", "mean", "median", "max score", "full marks"], summary),
-        rows and _charts(rows) or "",
+        rows and _charts(by_exercise) or "",
         "<h2>Students</h2>",
         _table(["student", "total", *exercises], by_student(rows, exercises)),
         "<h2>Tests most often failed</h2>",
